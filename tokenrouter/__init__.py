@@ -1,0 +1,8 @@
+"""tokenrouter: a serving system for token-level LLM routing."""
+
+from tokenrouter.llm import LLM
+from tokenrouter.outputs import CompletionOutput, RequestOutput
+from tokenrouter.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

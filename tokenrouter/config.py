@@ -1,0 +1,47 @@
+"""Engine settings for one model, with SGLang/vLLM-style names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # auto: cuda when available, else cpu
+    page_size: int = 16
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    kv_cache_tokens: int | None = None  # KV pool size in tokens; overrides mem_fraction
+    mem_fraction: float | None = None  # share of free device memory (host memory on CPU) for the KV pool
+    max_model_len: int | None = None  # context length; default: the model's, capped by the KV pool
+    enable_prefix_cache: bool = True
+    attention_backend: str = "torch"
+    seed: int = 0  # seeds the per-request seeds of requests that bring none
+    num_threads: int | None = None  # torch threads on CPU; None leaves torch's setting
+    load_tokenizer: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
+        if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if device.type == "cpu" else torch.bfloat16
+        return DTYPES[self.dtype]

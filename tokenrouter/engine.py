@@ -1,0 +1,243 @@
+"""The single-model engine: requests in, schedule -> forward -> commit, finished requests out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from tokenrouter.attention.backend import make_backend
+from tokenrouter.config import EngineConfig
+from tokenrouter.kv_pool import KVPool, available_memory_bytes
+from tokenrouter.model_loader import load_model
+from tokenrouter.model_runner import ModelRunner, StepOutput, StepOutputSpec
+from tokenrouter.models.config import ModelConfig
+from tokenrouter.radix_cache import RadixCache
+from tokenrouter.req import Req, ReqStatus
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    extended_tokens: int = 0  # tokens run through the model
+    sampled_tokens: int = 0
+    finished: int = 0
+
+
+class StepResult(NamedTuple):
+    updated: list[Req]  # requests that got a token this step
+    finished: list[Req]
+    step: StepOutput | None
+
+
+class Engine:
+    """One model, its KV pool, prefix cache, scheduler and runner; no I/O.
+
+    Requests are validated on `add_request`, so a bad request raises there and never reaches the
+    scheduler: the engine keeps serving the others.
+    """
+
+    def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
+                 outputs: StepOutputSpec = StepOutputSpec()) -> None:
+        self.cfg = cfg
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype(self.device)
+        self.model_config = ModelConfig.from_folder(cfg.model_path)
+        self.model = load_model(cfg.model_path, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
+        mc = self.model_config
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = {self.tokenizer.eos_token_id}
+        num_pages = self._kv_pages(mc)
+        self.pool = KVPool(num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                           self.dtype, self.device)
+        context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if context > self.pool.capacity_tokens:
+            logger.warning("context length %d capped to the KV pool's %d tokens", context, self.pool.capacity_tokens)
+            context = self.pool.capacity_tokens
+        self.max_model_len = context
+        self.cache = RadixCache(self.pool, enabled=cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.page_size, cfg.max_running_requests, cfg.chunked_prefill_size),
+            self.pool, self.cache, launch)
+        backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs)
+        self.reqs: dict[str, Req] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = random.Random(cfg.seed)
+        self._next_rid = 0
+        self.stats = EngineStats()
+
+    def _kv_pages(self, mc: ModelConfig) -> int:
+        cfg = self.cfg
+        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        else:
+            frac = cfg.mem_fraction or (0.8 if self.device.type == "cuda" else 0.2)
+            tokens = int(available_memory_bytes(self.device) * frac) // per_token
+            if cfg.mem_fraction is None:
+                # Without an explicit budget, no need for more than every slot at full context.
+                context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+                tokens = min(tokens, cfg.max_running_requests * context)
+        return max(1, math.ceil(tokens / cfg.page_size))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine was started without a tokenizer: pass token ids, not text")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request; touches no state."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} tokens "
+                "(the prompt must leave room for at least one output token)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                    detokenize: bool = False) -> Req:
+        """Validate and queue a request. `detokenize` keeps `req.text` current at every token
+        (streaming); requests with stop strings are always detokenized."""
+        self.validate(prompt_ids, params)
+        if rid is None:
+            rid = f"req-{self._next_rid}"
+            self._next_rid += 1
+        if rid in self.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if detokenize and self.tokenizer is None:
+            raise ValueError("text output needs a tokenizer")
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=len(prompt_ids), params=params, seed=seed)
+        if detokenize or params.stop:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens)
+        self.reqs[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, rid: str) -> Req | None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return StepResult([], [], None)
+        out = self.runner.run(batch.reqs, batch.extend_lens)
+        self.scheduler.commit(batch)
+        self.stats.steps += 1
+        self.stats.extended_tokens += batch.num_tokens
+        self.stats.sampled_tokens += len(out.token_ids)
+        now = time.monotonic()
+        finished = []
+        for i, (req, tok) in enumerate(zip(out.reqs, out.token_ids)):
+            self.append_token(req, tok, now, out, i)
+            if req.finished:
+                finished.append(req)
+        return StepResult(out.reqs, finished, out)
+
+    def append_token(self, req: Req, tok: int, now: float, out: StepOutput | None = None, row: int = 0) -> None:
+        """Commit one sampled token to req and finish it if a stop condition holds."""
+        req.tokens.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if out is not None and out.logprobs is not None and req.params.logprobs is not None:
+            req.output_logprobs.append(out.logprobs[row])
+            assert out.top_logprobs is not None
+            req.output_top_logprobs.append(out.top_logprobs[row] or {})
+        reason = self._stop_reason(req, tok)
+        if reason is not None:
+            self._finish(req, *reason)
+
+    def _stop_reason(self, req: Req, tok: int) -> tuple[str, int | str | None] | None:
+        p = req.params
+        if tok in p.stop_token_ids:
+            return "stop", tok
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return "stop", None
+        det = self._detok.get(req.rid)
+        if det is not None:
+            new = det.add([tok])
+            if p.stop and new:
+                hit = self._find_stop(det.text, len(new), p.stop)
+                if hit is not None:
+                    pos, stop = hit
+                    det.text = det.text[:pos + (len(stop) if p.include_stop_str_in_output else 0)]
+                    return "stop", stop
+        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            return "length", None
+        return None
+
+    @staticmethod
+    def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in stops:
+            # Only a match that overlaps the new text can be new.
+            start = max(0, len(text) - num_new - len(s) + 1)
+            pos = text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        return best
+
+    def _finish(self, req: Req, reason: str, stop: int | str | None = None) -> None:
+        req.finish_reason = reason
+        req.stop_reason = stop
+        req.finish_time = time.monotonic()
+        det = self._detok.pop(req.rid, None)
+        if det is not None:
+            req.text = det.text
+        self.scheduler.finish(req)
+        self.reqs.pop(req.rid, None)
+        self.stats.finished += 1
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def close(self) -> None:
+        """Drop every request; the engine holds no other resources (no processes, no sockets)."""
+        for rid in list(self.reqs):
+            self.abort(rid)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model": self.cfg.model_path,
+            "architecture": self.model_config.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "kv_pages": self.pool.num_pages,
+            "page_size": self.pool.page_size,
+            "max_model_len": self.max_model_len,
+        }

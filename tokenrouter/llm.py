@@ -1,0 +1,124 @@
+"""The offline API in vLLM's shape: `LLM(model).generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenrouter.config import EngineConfig
+from tokenrouter.engine import Engine
+from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenrouter.req import Req
+from tokenrouter.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Generate with one model, offline. Keyword arguments are `EngineConfig` fields
+    (dtype, max_running_requests, chunked_prefill_size, kv_cache_tokens, page_size, ...).
+    With no model, the embedded default model is used."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        if model is None:
+            from tokenrouter.default_model import ensure_default_model
+
+            model = str(ensure_default_model())
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        unknown = sorted(set(kwargs) - fields)
+        if unknown:
+            raise TypeError(f"unknown LLM argument(s): {', '.join(unknown)}")
+        self.engine = Engine(EngineConfig(model_path=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or "prompt_token_ids".
+        Every prompt is validated before any runs, so one bad prompt rejects the call and leaves the
+        engine as it was.
+        """
+        items = self._normalise(prompts, prompt_token_ids)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"{len(items)} prompts but {len(params)} sampling params")
+        encoded = [(text, ids if ids is not None else self.engine.tokenize(text or "")) for text, ids in items]
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
+            try:
+                self.engine.validate(ids, sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        eng = self.engine
+        reqs: list[Req] = [eng.add_request(ids, sp) for (_, ids), sp in zip(encoded, params)]
+        bar = tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req")
+        try:
+            while eng.has_unfinished():
+                result = eng.step()
+                bar.update(len(result.finished))
+        except BaseException:
+            for r in reqs:
+                eng.abort(r.rid)
+            raise
+        finally:
+            bar.close()
+        return [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
+
+    @staticmethod
+    def _normalise(prompts: PromptType | Sequence[PromptType] | None,
+                   prompt_token_ids: list[list[int]] | None) -> list[tuple[str | None, list[int] | None]]:
+        if prompts is None and prompt_token_ids is None:
+            raise ValueError("generate needs prompts or prompt_token_ids")
+        items: list[tuple[str | None, list[int] | None]] = []
+        if prompt_token_ids is not None:
+            items.extend((None, list(ids)) for ids in prompt_token_ids)
+        if prompts is None:
+            return items
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                                all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]  # type: ignore[list-item]
+        for p in prompts:  # type: ignore[union-attr]
+            if isinstance(p, str):
+                items.append((p, None))
+            elif isinstance(p, dict) and "prompt_token_ids" in p:
+                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                items.append((p["prompt"], None))
+            elif isinstance(p, list):
+                items.append((None, list(p)))
+            else:
+                raise ValueError(f"unsupported prompt {p!r}: give a string, token ids, or a dict")
+        return items
+
+    def _output(self, req: Req, prompt: str | None) -> RequestOutput:
+        eng = self.engine
+        # A stop string cuts the text inside a token, so that text comes from the detokenizer.
+        text = req.text if isinstance(req.stop_reason, str) else eng.decode(req.output_ids)
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = [{tok: lp, **top} for tok, lp, top in
+                        zip(req.output_ids, req.output_logprobs, req.output_top_logprobs)]
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=req.output_ids, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=logprobs,
+            cumulative_logprob=sum(req.output_logprobs) if req.output_logprobs else None)
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            finished_time=req.finish_time, num_cached_tokens=req.prefix_hit_tokens,
+            num_computed_tokens=req.extended_tokens, num_preemptions=req.num_preemptions)
+        return RequestOutput(req.rid, prompt, req.tokens[:req.prompt_len], [completion], req.finished, metrics)

@@ -1,0 +1,16 @@
+"""Model families, chosen by the architecture named in config.json."""
+
+from __future__ import annotations
+
+from tokenrouter.models.config import ModelConfig
+from tokenrouter.models.llama import LlamaForCausalLM
+from tokenrouter.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+
+
+def build_model(cfg: ModelConfig) -> LlamaForCausalLM:
+    return MODEL_CLASSES[cfg.architecture](cfg)
