@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny random-weight models saved as Hugging Face folders, loaded through our loader."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from tokenrouter.random_model import build_random_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": build_random_model(root / "llama", "llama", "tiny", seed=1),
+        "qwen3": build_random_model(root / "qwen3", "qwen3", "tiny", seed=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_models(model_paths: dict[str, Path]) -> dict[str, torch.nn.Module]:
+    """The transformers reference forward of the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    return {
+        name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for name, path in model_paths.items()
+    }
