@@ -27,7 +27,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=512),
     # The embedded default until the trained pair exists: about 3M parameters.
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=2048),
+                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=2048),
     # The engine benchmark: about 30M parameters.
     "30m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4, vocab_size=8192, max_position_embeddings=2048),

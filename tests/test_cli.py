@@ -1,0 +1,39 @@
+"""The command line: the main job on the embedded default model, and clear errors."""
+
+from __future__ import annotations
+
+from tokenrouter import cli
+from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
+
+
+def test_generate_on_default_model(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
+    rc = cli.main(["generate", "--max-tokens", "5", "--prompt", "hi", "--prompt", "there", "--quiet",
+                   "--ignore-eos", "--kv-cache-tokens", "1024"])
+    out = capsys.readouterr()
+    assert rc == 0
+    assert RANDOM_WEIGHTS_WARNING in out.err
+    assert "2 requests, 10 output tokens" in out.out
+    assert (tmp_path / "models").is_dir()
+
+
+def test_default_model_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "a"))
+    a = (ensure_default_model() / "model.safetensors").read_bytes()
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "b"))
+    b = (ensure_default_model() / "model.safetensors").read_bytes()
+    assert a == b
+    assert ensure_default_model() == tmp_path / "b" / "models" / ensure_default_model().name  # cached
+
+
+def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
+    rc = cli.main(["generate", "--model-path", str(tmp_path / "nope"), "--quiet"])
+    assert rc == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+def test_bad_sampling_flag_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
+    rc = cli.main(["generate", "--max-tokens", "0", "--quiet", "--kv-cache-tokens", "512"])
+    assert rc == 2
+    assert "max_tokens" in capsys.readouterr().err

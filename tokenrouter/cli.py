@@ -1,0 +1,105 @@
+"""The `tokenrouter` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Solve: 12 * 7 =",
+    "Once upon a time",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as in SGLang (vLLM's names as aliases)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model-path", "--model", dest="model_path", default=None,
+                   help="Hugging Face model folder (default: the embedded default model)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=16)
+    g.add_argument("--max-running-requests", "--max-num-seqs", dest="max_running_requests", type=int, default=64)
+    g.add_argument("--chunked-prefill-size", "--max-num-batched-tokens", dest="chunked_prefill_size",
+                   type=int, default=2048)
+    g.add_argument("--kv-cache-tokens", type=int, default=None, help="KV pool size in tokens")
+    g.add_argument("--mem-fraction-static", "--gpu-memory-utilization", dest="mem_fraction", type=float,
+                   default=None, help="share of free memory for the KV pool")
+    g.add_argument("--context-length", "--max-model-len", dest="max_model_len", type=int, default=None)
+    g.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
+                   action="store_true")
+    g.add_argument("--attention-backend", default="torch", choices=["torch"])
+    g.add_argument("--num-threads", type=int, default=1, help="torch threads on CPU (default 1)")
+    g.add_argument("--random-seed", dest="seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(
+        dtype=args.dtype, device=args.device, page_size=args.page_size,
+        max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
+        kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
+        enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend,
+        seed=args.seed, num_threads=args.num_threads,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenrouter import LLM, SamplingParams
+    from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
+
+    model = args.model_path
+    if model is None:
+        print(RANDOM_WEIGHTS_WARNING, file=sys.stderr)
+        model = str(ensure_default_model())
+    llm = LLM(model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_per_request, stop=args.stop or [],
+                            ignore_eos=args.ignore_eos)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        c = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+    n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    info = llm.engine.info()
+    print(f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f} s ({n_out / elapsed:.1f} tok/s) "
+          f"on {info['device']} {info['dtype']}, model {info['model']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions offline with one model")
+    add_engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: built-in prompts")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", dest="seed_per_request", type=int, default=None, help="sampling seed for every request")
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, OSError) as e:
+        print(f"tokenrouter: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
