@@ -58,6 +58,8 @@ class KVPool:
 
     def alloc(self, n: int) -> list[int] | None:
         """Take n pages, or None (and take nothing) when fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
         if n > len(self._free):
             return None
         if n == 0:

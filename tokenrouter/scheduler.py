@@ -201,6 +201,10 @@ class Scheduler:
             victim = victims[-1]  # req itself is a candidate, so this is never empty
             self._preempt(victim)
             if victim is req:
+                if not self.running:
+                    raise RuntimeError(
+                        f"KV pool too small: request {req.rid} alone needs {num_tokens} tokens, the pool "
+                        f"holds {self.pool.capacity_tokens}")
                 return False
 
     def _admit(self, req: Req, budget: int, headroom: int) -> int:
