@@ -117,9 +117,10 @@ class Engine:
             raise ValueError("stop strings need a tokenizer")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                    detokenize: bool = False) -> Req:
+                    detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None) -> Req:
         """Validate and queue a request. `detokenize` keeps `req.text` current at every token
-        (streaming); requests with stop strings are always detokenized."""
+        (streaming); requests with stop strings are always detokenized. A request arriving from a peer
+        brings its seed and, when output was already written, its prompt length."""
         self.validate(prompt_ids, params)
         if rid is None:
             rid = f"req-{self._next_rid}"
@@ -128,12 +129,29 @@ class Engine:
             raise ValueError(f"request id {rid!r} is already in use")
         if detokenize and self.tokenizer is None:
             raise ValueError("text output needs a tokenizer")
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=len(prompt_ids), params=params, seed=seed)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        n_prompt = len(prompt_ids) if prompt_len is None else prompt_len
+        req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=n_prompt, params=params, seed=seed)
         if detokenize or params.stop:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens)
         self.reqs[rid] = req
         self.scheduler.add(req)
+        return req
+
+    def receive(self, rid: str, loc: int, suffix: list[int]) -> Req:
+        """A peer hands request rid back: cut our copy to `loc`, append the suffix, run again.
+        Only the unseen suffix is computed; KV past `loc` is rolled back."""
+        req = self.reqs[rid]
+        self.scheduler.truncate(req, loc)
+        req.tokens.extend(suffix)
+        if req.extend_len == 0:
+            # Nothing new to feed: recompute the last token, whose logits the next sample needs.
+            last = req.tokens[-1]
+            self.scheduler.truncate(req, len(req.tokens) - 1)
+            req.tokens.append(last)
+        if req.status is ReqStatus.PENDING:
+            self.scheduler.resume(req)
         return req
 
     def abort(self, rid: str) -> Req | None:
@@ -147,15 +165,24 @@ class Engine:
         return bool(self.reqs)
 
     # ---- the step ----------------------------------------------------------------------------
-    def step(self) -> StepResult:
+    def forward_step(self) -> StepOutput | None:
+        """Schedule and run one step; KV is committed, sampled tokens are not (see append_token).
+        None when nothing launched."""
         batch = self.scheduler.schedule()
         if batch is None:
-            return StepResult([], [], None)
+            return None
         out = self.runner.run(batch.reqs, batch.extend_lens)
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
         self.stats.sampled_tokens += len(out.token_ids)
+        return out
+
+    def step(self) -> StepResult:
+        """One step of single-model decoding: every sampled token is committed."""
+        out = self.forward_step()
+        if out is None:
+            return StepResult([], [], None)
         now = time.monotonic()
         finished = []
         for i, (req, tok) in enumerate(zip(out.reqs, out.token_ids)):

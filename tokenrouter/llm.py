@@ -12,13 +12,11 @@ from tqdm import tqdm
 from tokenrouter.config import EngineConfig
 from tokenrouter.engine import Engine
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenrouter.prompts import PromptType, normalise_prompts
 from tokenrouter.req import Req
 from tokenrouter.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | list[int] | dict[str, Any]
-
 
 class LLM:
     """Generate with one model, offline. Keyword arguments are `EngineConfig` fields
@@ -52,7 +50,7 @@ class LLM:
         Every prompt is validated before any runs, so one bad prompt rejects the call and leaves the
         engine as it was.
         """
-        items = self._normalise(prompts, prompt_token_ids)
+        items = normalise_prompts(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
@@ -78,32 +76,6 @@ class LLM:
         finally:
             bar.close()
         return [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
-
-    @staticmethod
-    def _normalise(prompts: PromptType | Sequence[PromptType] | None,
-                   prompt_token_ids: list[list[int]] | None) -> list[tuple[str | None, list[int] | None]]:
-        if prompts is None and prompt_token_ids is None:
-            raise ValueError("generate needs prompts or prompt_token_ids")
-        items: list[tuple[str | None, list[int] | None]] = []
-        if prompt_token_ids is not None:
-            items.extend((None, list(ids)) for ids in prompt_token_ids)
-        if prompts is None:
-            return items
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
-                                                all(isinstance(t, int) for t in prompts)):
-            prompts = [prompts]  # type: ignore[list-item]
-        for p in prompts:  # type: ignore[union-attr]
-            if isinstance(p, str):
-                items.append((p, None))
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                items.append((p.get("prompt"), list(p["prompt_token_ids"])))
-            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
-                items.append((p["prompt"], None))
-            elif isinstance(p, list):
-                items.append((None, list(p)))
-            else:
-                raise ValueError(f"unsupported prompt {p!r}: give a string, token ids, or a dict")
-        return items
 
     def _output(self, req: Req, prompt: str | None) -> RequestOutput:
         eng = self.engine

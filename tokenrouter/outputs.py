@@ -10,9 +10,10 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None
     finished_time: float | None
-    num_cached_tokens: int  # prompt tokens taken from the prefix cache at the last admission
-    num_computed_tokens: int  # tokens run through the model, recompute after preemption included
-    num_preemptions: int
+    # Known to a single-model engine; None where a routed group's entry cannot know them.
+    num_cached_tokens: int | None  # prompt tokens taken from the prefix cache at the last admission
+    num_computed_tokens: int | None  # tokens run through the model, recompute after preemption included
+    num_preemptions: int | None
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -32,6 +33,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per output token: sampled token and top-k
     cumulative_logprob: float | None = None
+    token_models: list[str] | None = None  # routed groups: the model that wrote each token
 
 
 @dataclass

@@ -156,6 +156,29 @@ class Scheduler:
             raise ValueError(f"only a PENDING request can resume, {req.rid} is {req.status.value}")
         req.status = ReqStatus.RUNNING
 
+    def truncate(self, req: Req, loc: int) -> None:
+        """Cut req's tokens to `loc` and roll its KV back to at most loc (a peer rewrote from loc on).
+        Pages past the new end are freed; a cut into the cached prefix re-locks the shorter match."""
+        if loc < 0 or loc > len(req.tokens):
+            raise ValueError(f"request {req.rid}: cut at {loc} outside its {len(req.tokens)} tokens")
+        del req.tokens[loc:]
+        if req.kv_len <= loc:
+            return
+        p = self.cfg.page_size
+        if loc < req.cached_len:
+            assert req.cache_node is not None
+            self.pool.free(req.private_pages(p))
+            self.cache.unlock(req.cache_node)
+            match = self.cache.match_prefix(req.tokens[:loc])
+            self.cache.lock(match.node)
+            req.pages, req.cache_node = list(match.pages), match.node
+            req.cached_len = req.kv_len = match.length
+            return
+        req.kv_len = loc
+        keep = math.ceil(loc / p)
+        self.pool.free(req.pages[keep:])
+        del req.pages[keep:]
+
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's batch, allocating the pages it writes; None when nothing launches."""
@@ -178,7 +201,8 @@ class Scheduler:
             budget -= n
         # Then admit from the queue, first come first served, while pages and budget allow.
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
-            n = self._admit(self.waiting[0], budget, headroom=len(self.running))
+            running = sum(r.status is ReqStatus.RUNNING for r in self.running)
+            n = self._admit(self.waiting[0], budget, headroom=running)
             if n == 0:
                 break
             req = self.waiting.popleft()

@@ -1,0 +1,346 @@
+"""The entry: starts the subservers, admits requests, and reassembles their tokens in order.
+
+The client loop: new requests and aborts go out to the subservers; committed tokens (each with its
+absolute position and the model that wrote it) and finishes come back. Tokens from different models
+may arrive out of order, so each request keeps a small buffer keyed by position. Stop strings are
+detected here, where the whole text is, and end the request everywhere. No HTTP: the offline API and
+the server both drive this class.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import zmq
+
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.messages import (
+    Abort, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, decode, encode,
+)
+from tokenrouter.routing import make_algorithm
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.subserver import subserver_main
+from tokenrouter.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+
+class SubserverDied(RuntimeError):
+    """A subserver process exited or failed; the group cannot go on."""
+
+
+@dataclass(eq=False)
+class EntryReq:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams  # as the client sent them (stop strings included)
+    seed: int
+    max_tokens: int  # capped by the group's context
+    reserve: dict[str, int]  # KV tokens reserved on each model the request may visit
+    output: list[int] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)  # who wrote each output token
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    buffer: dict[int, tuple[TokenEvent, str]] = field(default_factory=dict)
+    final: Finished | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    detok: IncrementalDetokenizer | None = None
+    text: str | None = None  # final text when a stop string cut it
+    admitted: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def next_pos(self) -> int:
+        return len(self.prompt_ids) + len(self.output)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def handoffs(self) -> int:
+        return sum(a != b for a, b in zip(self.models, self.models[1:]))
+
+
+class EntryEvent(NamedTuple):
+    kind: str  # "token" or "finished"
+    req: EntryReq
+    token: int | None = None
+    model: str | None = None
+
+
+class Entry:
+    """Owns the subserver processes and the request table; raises SubserverDied when one dies."""
+
+    def __init__(self, group: GroupConfig) -> None:
+        self.group = group
+        self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
+        self.visit = self.algorithm.may_visit()
+        self._dir = tempfile.mkdtemp(prefix="tokenrouter-")
+        tag = uuid.uuid4().hex[:8]
+        self.addresses = {n: f"ipc://{self._dir}/{n}-{tag}" for n in group.names}
+        self.entry_address = f"ipc://{self._dir}/entry-{tag}"
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(self.entry_address)
+        self.outbox: dict[str, zmq.Socket] = {}
+        for name, addr in self.addresses.items():
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 500)
+            sock.connect(addr)
+            self.outbox[name] = sock
+        self.procs: dict[str, Any] = {}
+        self.info: dict[str, Ready] = {}
+        self.reqs: dict[str, EntryReq] = {}
+        self.queue: list[EntryReq] = []
+        self.reserved = {n: 0 for n in group.names}
+        self._next_rid = 0
+        self._closed = False
+        self._last_liveness = 0.0
+        self._backlog: list[EntryEvent] = []
+        self._stats: dict[str, Stats] = {}
+        atexit.register(self.close)
+        try:
+            self._start()
+            self.tokenizer = load_tokenizer(group.spec(self.algorithm.entry_model).path)
+        except BaseException:
+            self.close()
+            raise
+        self.context_len = min(self.info[n].max_model_len for n in self.visit)
+        self.vocab_size = min(self.info[n].vocab_size for n in self.visit)
+
+    # ---- processes -------------------------------------------------------------------------
+    def _start(self) -> None:
+        spawn = mp.get_context("spawn")
+        group_dict = self.group.to_dict()
+        for spec in self.group.models:
+            proc = spawn.Process(
+                target=subserver_main, name=f"tokenrouter-{spec.name}",
+                args=(dataclasses.asdict(spec), group_dict, self.addresses, self.entry_address, os.getpid()))
+            proc.start()
+            self.procs[spec.name] = proc
+        deadline = time.monotonic() + self.group.startup_timeout
+        while len(self.info) < len(self.procs):
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.procs) - set(self.info))
+                raise SubserverDied(f"subserver(s) {', '.join(missing)} not ready after "
+                                    f"{self.group.startup_timeout:.0f} s")
+            for msg in self._recv(timeout=0.2):
+                if isinstance(msg, Ready):
+                    self.info[msg.model] = msg
+                elif isinstance(msg, ReqError) and msg.rid is None:
+                    raise SubserverDied(f"subserver {msg.model!r} failed to start: {msg.message}")
+            self._check_alive(force=True)
+
+    def _check_alive(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_liveness < 0.5:
+            return
+        self._last_liveness = now
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                # A crash report may be on its way; prefer its message to the bare exit code.
+                for msg in self._recv(timeout=0.2):
+                    if isinstance(msg, ReqError) and msg.rid is None:
+                        raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
+                raise SubserverDied(f"subserver {name!r} (pid {proc.pid}) exited with code {proc.exitcode}")
+
+    def _recv(self, timeout: float) -> list[Any]:
+        msgs = []
+        if self.inbox.poll(int(timeout * 1000)):
+            while True:
+                try:
+                    msgs.append(decode(self.inbox.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        return msgs
+
+    def _send(self, model: str, msg: Any) -> None:
+        self.outbox[model].send(encode(msg), zmq.NOBLOCK)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
+        """Validate (ValueError naming the problem) and queue; admitted when every model it may
+        visit has room to reserve its whole KV footprint, so a hand-off never finds a peer full."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.context_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens, but the context is {self.context_len} tokens")
+        if rid is None:
+            rid = f"req-{self._next_rid}"
+            self._next_rid += 1
+        if rid in self.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
+        reserve = {}
+        for name in self.visit:
+            page = self.info[name].page_size
+            reserve[name] = math.ceil((len(prompt_ids) + max_tokens) / page) * page
+            if reserve[name] > self.info[name].capacity_tokens:
+                raise ValueError(f"request needs {reserve[name]} tokens of KV on model {name!r}, "
+                                 f"whose pool holds {self.info[name].capacity_tokens}")
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        req = EntryReq(rid, list(prompt_ids), params, seed, max_tokens, reserve)
+        if params.stop:
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+        self.reqs[rid] = req
+        self.queue.append(req)
+        self._admit()
+        return req
+
+    def _admit(self) -> None:
+        while self.queue:
+            req = self.queue[0]
+            if any(self.reserved[n] + t > self.info[n].capacity_tokens for n, t in req.reserve.items()):
+                return
+            self.queue.pop(0)
+            for n, t in req.reserve.items():
+                self.reserved[n] += t
+            req.admitted = True
+            # Stop strings stay here; the models see the capped max_tokens.
+            sub = dataclasses.replace(req.params, stop=[], max_tokens=req.max_tokens)
+            self._send(self.algorithm.entry_model, AddReq(req.rid, req.prompt_ids, sub, req.seed))
+
+    def abort(self, rid: str) -> None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return
+        self._end(req, "abort")
+
+    def _end(self, req: EntryReq, reason: str, stop: int | str | None = None) -> None:
+        """Finish req at the entry; tell every subserver to drop it unless one already finished it."""
+        req.finish_reason, req.stop_reason = reason, stop
+        req.finish_time = time.monotonic()
+        if req.detok is not None and req.text is None:
+            req.text = req.detok.text
+        self.reqs.pop(req.rid, None)
+        if req.admitted:
+            for n, t in req.reserve.items():
+                self.reserved[n] -= t
+            if req.final is None:
+                for name in self.group.names:
+                    self._send(name, Abort(req.rid))
+        elif req in self.queue:
+            self.queue.remove(req)
+        self._admit()
+
+    def poll(self, timeout: float = 0.1) -> list[EntryEvent]:
+        """Events (tokens in position order, finishes) from the subservers."""
+        if self._backlog:
+            events, self._backlog = self._backlog, []
+            return events + self._poll_once(0.0)
+        return self._poll_once(timeout)
+
+    def _poll_once(self, timeout: float) -> list[EntryEvent]:
+        events: list[EntryEvent] = []
+        for msg in self._recv(timeout):
+            if isinstance(msg, Tokens):
+                for item in msg.items:
+                    req = self.reqs.get(item.rid)
+                    if req is not None and item.pos >= req.next_pos:
+                        req.buffer[item.pos] = (item, msg.model)
+                        self._advance(req, events)
+            elif isinstance(msg, Finished):
+                req = self.reqs.get(msg.rid)
+                if req is not None:
+                    req.final = msg
+                    self._advance(req, events)
+            elif isinstance(msg, ReqError):
+                if msg.rid is None:
+                    raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
+                req = self.reqs.get(msg.rid)
+                if req is not None:
+                    req.error = f"{msg.model}: {msg.message}"
+                    self._end(req, "error")
+                    events.append(EntryEvent("finished", req))
+            elif isinstance(msg, Stats):
+                self._stats[msg.model] = msg
+        self._check_alive()
+        return events
+
+    def _advance(self, req: EntryReq, events: list[EntryEvent]) -> None:
+        while req.next_pos in req.buffer and not req.done:
+            item, model = req.buffer.pop(req.next_pos)
+            req.output.append(item.token)
+            req.models.append(model)
+            if item.logprob is not None:
+                req.logprobs.append(item.logprob)
+                req.top_logprobs.append(item.top_logprobs or {})
+            if req.first_token_time is None:
+                req.first_token_time = time.monotonic()
+            events.append(EntryEvent("token", req, item.token, model))
+            if req.detok is not None and self._stop_string_hit(req, item.token):
+                events.append(EntryEvent("finished", req))
+                return
+        if req.final is not None and req.next_pos >= req.final.length and not req.done:
+            self._end(req, req.final.reason, req.final.stop_reason)
+            events.append(EntryEvent("finished", req))
+
+    def _stop_string_hit(self, req: EntryReq, token: int) -> bool:
+        assert req.detok is not None
+        new = req.detok.add([token])
+        if not new:
+            return False
+        text = req.detok.text
+        for stop in req.params.stop:
+            pos = text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))
+            if pos != -1:
+                keep = pos + (len(stop) if req.params.include_stop_str_in_output else 0)
+                req.text = text[:keep]
+                self._end(req, "stop", stop)
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+    def stats(self, timeout: float = 5.0) -> dict[str, Stats]:
+        """Ask every subserver for its counters. Events that arrive meanwhile wait for the next poll."""
+        self._stats = {}
+        for name in self.group.names:
+            self._send(name, StatsQuery())
+        deadline = time.monotonic() + timeout
+        while len(self._stats) < len(self.group.names):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no stats from {sorted(set(self.group.names) - set(self._stats))}")
+            self._backlog.extend(self._poll_once(0.05))
+        return dict(self._stats)
+
+    def close(self) -> None:
+        """Stop every subserver (Shutdown, then kill after a grace period) and free the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        for name in self.procs:
+            try:
+                self._send(name, Shutdown())
+            except zmq.ZMQError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for sock in (self.inbox, *self.outbox.values()):
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        atexit.unregister(self.close)

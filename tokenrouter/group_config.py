@@ -1,0 +1,95 @@
+"""A routed group: the models (with placement) and the algorithm that routes between them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tokenrouter.config import EngineConfig
+
+
+@dataclass
+class ModelSpec:
+    """One model of the group and where its subserver runs."""
+
+    name: str
+    path: str
+    dtype: str = "auto"
+    device: str = "cpu"
+    threads: int = 1  # torch threads in the subserver
+    cores: list[int] | None = None  # pin the subserver to these CPU cores
+    page_size: int = 16
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    kv_cache_tokens: int | None = None
+    mem_fraction: float | None = None
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    attention_backend: str = "torch"
+
+    def engine_config(self, seed: int) -> EngineConfig:
+        return EngineConfig(
+            model_path=self.path, dtype=self.dtype, device=self.device, page_size=self.page_size,
+            max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
+            kv_cache_tokens=self.kv_cache_tokens, mem_fraction=self.mem_fraction,
+            max_model_len=self.max_model_len, enable_prefix_cache=self.enable_prefix_cache,
+            attention_backend=self.attention_backend, seed=seed, num_threads=self.threads,
+        )
+
+
+@dataclass
+class GroupConfig:
+    models: list[ModelSpec]
+    algorithm: str = "single"
+    algorithm_params: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise ValueError("a group needs at least one model")
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be distinct, got {names}")
+        for m in self.models:
+            if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
+                raise ValueError(f"model name {m.name!r} must be letters, digits, '-' or '_'")
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def spec(self, name: str) -> ModelSpec:
+        return next(m for m in self.models if m.name == name)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GroupConfig:
+        known = {f.name for f in dataclasses.fields(ModelSpec)}
+        models = []
+        for i, m in enumerate(d.get("models") or []):
+            unknown = sorted(set(m) - known)
+            if unknown:
+                raise ValueError(f"models[{i}]: unknown field(s) {', '.join(unknown)}")
+            models.append(ModelSpec(**m))
+        algo = d.get("algorithm", "single")
+        params: dict[str, Any] = dict(d.get("algorithm_params") or {})
+        if isinstance(algo, dict):  # YAML style: algorithm: {name: bernoulli, p: 0.1}
+            params.update({k: v for k, v in algo.items() if k != "name"})
+            algo = algo.get("name", "single")
+        rest = {k: v for k, v in d.items() if k not in ("models", "algorithm", "algorithm_params")}
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(rest) - allowed)
+        if unknown:
+            raise ValueError(f"unknown group config field(s): {', '.join(unknown)}")
+        return cls(models=models, algorithm=algo, algorithm_params=params, **rest)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> GroupConfig:
+        import yaml
+
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

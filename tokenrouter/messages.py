@@ -1,0 +1,120 @@
+"""Messages between the entry and the subservers, and between subservers (msgpack, never pickle)."""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from tokenrouter.routing.peer_req import PeerReq
+from tokenrouter.sampling_params import SamplingParams
+
+
+class AddReq(msgspec.Struct, tag="add"):
+    """Entry -> entry model: a new request. Its stop strings stay at the entry, which detects them."""
+
+    rid: str
+    tokens: list[int]
+    params: SamplingParams
+    seed: int
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Entry -> every subserver: drop the request wherever it is (running, waiting or PENDING)."""
+
+    rid: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class StatsQuery(msgspec.Struct, tag="stats?"):
+    pass
+
+
+class FirstVisit(msgspec.Struct):
+    """What a model needs to create a request it has never seen."""
+
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+
+
+class Peer(msgspec.Struct, tag="peer"):
+    """Subserver -> subserver: a hand-off (or a finish notice when req.finished)."""
+
+    sender: str
+    req: PeerReq
+    first: FirstVisit | None = None
+
+
+class TokenEvent(msgspec.Struct, array_like=True):
+    rid: str
+    pos: int  # absolute position in prompt + output
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+class Tokens(msgspec.Struct, tag="tokens"):
+    """Subserver -> entry: tokens committed in one step, each with its absolute position."""
+
+    model: str
+    items: list[TokenEvent]
+
+
+class Finished(msgspec.Struct, tag="finished"):
+    """Subserver -> entry: the request ended on `model` with `length` tokens (prompt + output)."""
+
+    rid: str
+    model: str
+    reason: str
+    stop_reason: int | None
+    length: int
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    model: str
+    pid: int
+    capacity_tokens: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+class ReqError(msgspec.Struct, tag="error"):
+    """Subserver -> entry: a request failed on `model` (rid None: the subserver itself failed)."""
+
+    model: str
+    rid: str | None
+    message: str
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    model: str
+    steps: int
+    tokens_written: int
+    extended_tokens: int
+    handoffs_sent: int
+    pending_periods: int
+    pending_seconds: float
+    preemptions: int
+    free_pages: int
+    cached_pages: int
+    total_pages: int
+    live_requests: int
+
+
+Message = Union[AddReq, Abort, Shutdown, StatsQuery, Peer, Tokens, Finished, Ready, ReqError, Stats]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

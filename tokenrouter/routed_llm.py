@@ -1,0 +1,127 @@
+"""The offline multi-model API: a routed group of models behind `generate(prompts, SamplingParams)`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from tokenrouter.entry import Entry, EntryReq
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.messages import Stats
+from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenrouter.prompts import PromptType, normalise_prompts
+from tokenrouter.sampling_params import SamplingParams
+
+
+@dataclass
+class RunStats:
+    """Counters of one generate call: tokens written by each model, hand-offs, time spent PENDING."""
+
+    tokens_per_model: dict[str, int]
+    handoffs: int
+    mean_pending_seconds: float
+    wall_seconds: float
+
+
+class RoutedLLM:
+    """Starts one subserver process per model of the group and routes every request's tokens between
+    them with the group's algorithm. Use as a context manager (or call close()): closing stops every
+    subserver and leaves no process behind.
+
+    Each output's `CompletionOutput.token_models` names the model that wrote each token.
+    """
+
+    def __init__(self, config: GroupConfig | dict[str, Any] | str | Path) -> None:
+        if isinstance(config, (str, Path)):
+            config = GroupConfig.from_yaml(config)
+        elif isinstance(config, dict):
+            config = GroupConfig.from_dict(config)
+        self.config = config
+        self.entry = Entry(config)
+        self.last_run: RunStats | None = None
+
+    def __enter__(self) -> RoutedLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.entry.close()
+
+    def get_tokenizer(self) -> Any:
+        return self.entry.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+        use_tqdm: bool = True,
+        timeout: float | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order. Raises SubserverDied if a
+        subserver fails, TimeoutError past `timeout` seconds (requests are aborted either way)."""
+        items = normalise_prompts(prompts, prompt_token_ids)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
+        if len(plist) != len(items):
+            raise ValueError(f"{len(items)} prompts but {len(plist)} sampling params")
+        tok = self.entry.tokenizer
+        encoded = [(text, ids if ids is not None else tok.encode(text or "")) for text, ids in items]
+        before = self.entry.stats()
+        start = time.monotonic()
+        reqs: list[EntryReq] = []
+        try:
+            for i, ((_, ids), sp) in enumerate(zip(encoded, plist)):
+                try:
+                    reqs.append(self.entry.add(ids, sp))
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
+            with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while any(not r.done for r in reqs):
+                    if timeout is not None and time.monotonic() - start > timeout:
+                        raise TimeoutError(f"generate did not finish within {timeout} s")
+                    events = self.entry.poll(0.05)
+                    bar.update(sum(ev.kind == "finished" for ev in events))
+        except BaseException:
+            for r in reqs:
+                if not r.done:
+                    self.entry.abort(r.rid)
+            raise
+        wall = time.monotonic() - start
+        self.last_run = self._run_stats(before, self.entry.stats(), wall)
+        return [self._output(r, text) for r, (text, _) in zip(reqs, encoded)]
+
+    @staticmethod
+    def _run_stats(before: dict[str, Stats], after: dict[str, Stats], wall: float) -> RunStats:
+        tokens = {m: after[m].tokens_written - before[m].tokens_written for m in after}
+        handoffs = sum(after[m].handoffs_sent - before[m].handoffs_sent for m in after)
+        periods = sum(after[m].pending_periods - before[m].pending_periods for m in after)
+        seconds = sum(after[m].pending_seconds - before[m].pending_seconds for m in after)
+        return RunStats(tokens, handoffs, seconds / periods if periods else 0.0, wall)
+
+    def _output(self, req: EntryReq, prompt: str | None) -> RequestOutput:
+        text = req.text if req.text is not None else self.entry.tokenizer.decode(req.output, skip_special_tokens=True)
+        logprobs = None
+        if req.params.logprobs is not None:
+            logprobs = [{t: lp, **top} for t, lp, top in zip(req.output, req.logprobs, req.top_logprobs)]
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(req.output), finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=logprobs,
+            cumulative_logprob=sum(req.logprobs) if req.logprobs else None, token_models=list(req.models))
+        metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+                                 finished_time=req.finish_time, num_cached_tokens=None,
+                                 num_computed_tokens=None, num_preemptions=None)
+        counts: dict[str, int] = {}
+        for m in req.models:
+            counts[m] = counts.get(m, 0) + 1
+        extra = {"tokens_per_model": counts, "handoffs": req.handoffs}
+        if req.error is not None:
+            extra["error"] = req.error
+        return RequestOutput(req.rid, prompt, list(req.prompt_ids), [completion], req.done, metrics, extra)

@@ -1,0 +1,38 @@
+"""`bernoulli`: the synthetic router. After each token of the first model, hand the position to the
+second with probability p, drawn per (request seed, position) so runs are reproducible; the first
+model's token is dropped, the second writes exactly one token and hands back (as R2R does).
+
+It separates system speed from router quality, and matches the throughput model's assumption of
+geometric gaps between hand-offs.
+"""
+
+from __future__ import annotations
+
+from tokenrouter.model_runner import StepOutput
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+from tokenrouter.routing.draws import uniform
+
+_STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
+
+
+class Bernoulli(RoutingAlgorithm):
+    name = "bernoulli"
+
+    def __init__(self, models: list[str], p: float = 0.1) -> None:
+        super().__init__(models)
+        if len(models) != 2:
+            raise ValueError(f"bernoulli routes between exactly 2 models, got {len(models)}")
+        if not 0.0 <= float(p) <= 1.0:
+            raise ValueError(f"bernoulli: p must be in [0, 1], got {p}")
+        self.p = float(p)
+        self.small, self.large = models
+
+    def route(self, model: str, step: StepOutput) -> list[Route]:
+        if model == self.large:
+            return [Route(self.small, keep=True)] * len(step.reqs)
+        if not step.reqs or self.p == 0.0:
+            return [STAY] * len(step.reqs)
+        # The draw is for the position about to be written: len(tokens) before the token is committed.
+        u = uniform([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], _STREAM)
+        go = Route(self.large, keep=False)
+        return [go if x else STAY for x in (u < self.p).tolist()]

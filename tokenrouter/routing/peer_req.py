@@ -1,0 +1,22 @@
+"""The message a model sends a peer when it hands a request over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class PeerReq(msgspec.Struct, kw_only=True):
+    """A hand-off, built by `RoutingAlgorithm.send`.
+
+    The receiver truncates its copy of request `rid` to `loc` (the absolute position, in prompt +
+    output, where `suffix` starts), appends `suffix`, and runs it. `finished` tells a peer that the
+    request is over so it frees its KV. `extra` carries whatever else the algorithm needs.
+    """
+
+    rid: str
+    suffix: list[int]
+    loc: int
+    finished: bool = False
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -1,0 +1,263 @@
+"""A subserver: one model's engine in its own process, with the decode loop and the inter-model loop.
+
+Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out (zmq PUSH,
+never blocking: zmq's I/O thread does the sending) and in (drained between steps). The scheduler and
+engine know nothing of sockets; this file is the only place that joins them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from tokenrouter.engine import Engine
+from tokenrouter.group_config import GroupConfig, ModelSpec
+from tokenrouter.messages import (
+    Abort, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens,
+    decode, encode,
+)
+from tokenrouter.model_runner import StepOutput
+from tokenrouter.req import Req, ReqStatus
+from tokenrouter.routing import PeerReq, make_algorithm
+
+logger = logging.getLogger(__name__)
+
+_ABORT_MEMORY_S = 300.0  # how long an aborted rid is remembered, to drop hand-offs still in flight
+
+
+class Subserver:
+    def __init__(self, spec: ModelSpec, group: GroupConfig, addresses: dict[str, str], entry_address: str,
+                 parent_pid: int | None = None) -> None:
+        self.name = spec.name
+        self.parent_pid = parent_pid
+        self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
+        seed = group.seed + group.names.index(spec.name)
+        self.engine = Engine(spec.engine_config(seed), outputs=self.algorithm.outputs(spec.name))
+        self.ctx = zmq.Context()
+        self.inbox = self.ctx.socket(zmq.PULL)
+        self.inbox.bind(addresses[spec.name])
+        self.to_entry = self._push(entry_address)
+        self.to_peer = {n: self._push(a) for n, a in addresses.items() if n != spec.name}
+        # rid -> {peer: number of this request's tokens that peer holds}
+        self.known: dict[str, dict[str, int]] = {}
+        self.pending_since: dict[str, float] = {}
+        self.aborted: dict[str, float] = {}
+        self.running = True
+        self.handoffs_sent = self.pending_periods = self.tokens_written = 0
+        self.pending_seconds = 0.0
+
+    def _push(self, address: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block the decode loop on a slow reader
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        return sock
+
+    def _send(self, sock: zmq.Socket, msg: Any) -> None:
+        sock.send(encode(msg), zmq.NOBLOCK)
+
+    # ---- the loops -------------------------------------------------------------------------
+    def run(self) -> None:
+        eng = self.engine
+        self._send(self.to_entry, Ready(self.name, os.getpid(), eng.pool.capacity_tokens, eng.pool.page_size,
+                                        eng.max_model_len, eng.model_config.vocab_size))
+        last_check = time.monotonic()
+        while self.running:
+            busy = eng.scheduler.has_work()
+            self._drain(timeout_ms=0 if busy else 100)
+            if self.running and eng.scheduler.has_work():
+                self._step()
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                self._housekeeping(now)
+
+    def _housekeeping(self, now: float) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.error("%s: entry process is gone, exiting", self.name)
+            self.running = False
+        for rid in [r for r, t in self.aborted.items() if now - t > _ABORT_MEMORY_S]:
+            del self.aborted[rid]
+        if not self.engine.scheduler.has_work() and not self.engine.reqs:
+            self.engine.check_integrity()
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(decode(data))
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, AddReq):
+            try:
+                self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
+                self.known[msg.rid] = {}
+            except ValueError as e:
+                self._send(self.to_entry, ReqError(self.name, msg.rid, str(e)))
+        elif isinstance(msg, Peer):
+            self._receive(msg)
+        elif isinstance(msg, Abort):
+            self.aborted[msg.rid] = time.monotonic()
+            self._drop(msg.rid)
+        elif isinstance(msg, StatsQuery):
+            self._send(self.to_entry, self.stats())
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _drop(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self.known.pop(rid, None)
+        since = self.pending_since.pop(rid, None)
+        if since is not None:
+            self.pending_seconds += time.monotonic() - since
+
+    def _receive(self, msg: Peer) -> None:
+        peer = self.algorithm.receive(msg.req, self.name)
+        rid = peer.rid
+        if peer.finished or rid in self.aborted:
+            self._drop(rid)
+            return
+        eng = self.engine
+        if rid not in eng.reqs:
+            if msg.first is None:
+                return  # a late hand-off of a request that already ended here
+            if peer.loc != 0:
+                self._send(self.to_entry, ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
+                return
+            try:
+                eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
+                                prompt_len=msg.first.prompt_len)
+            except ValueError as e:
+                self._send(self.to_entry, ReqError(self.name, rid, str(e)))
+                return
+            self.known[rid] = {}
+        else:
+            eng.receive(rid, peer.loc, peer.suffix)
+            since = self.pending_since.pop(rid, None)
+            if since is not None:
+                self.pending_seconds += time.monotonic() - since
+        self.known[rid][msg.sender] = peer.loc + len(peer.suffix)
+
+    def _step(self) -> None:
+        eng = self.engine
+        out = eng.forward_step()
+        if out is None or not out.reqs:
+            return
+        routes = self.algorithm.route(self.name, out)
+        now = time.monotonic()
+        events: list[TokenEvent] = []
+        finished: list[Req] = []
+        handoffs: list[tuple[Req, str]] = []
+        for i, (req, tok, route) in enumerate(zip(out.reqs, out.token_ids, routes)):
+            if route.dest is None or route.keep:
+                eng.append_token(req, tok, now, out, i)
+                events.append(self._event(req, out, i))
+                if req.finished:
+                    finished.append(req)
+                    continue
+            if route.dest is not None:
+                handoffs.append((req, route.dest))
+        self.tokens_written += len(events)
+        # Tokens first: the entry must see a request's last token no later than its finish.
+        if events:
+            self._send(self.to_entry, Tokens(self.name, events))
+        for req in finished:
+            self._finished(req)
+        for req, dest in handoffs:
+            self._handoff(req, dest, now)
+
+    @staticmethod
+    def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
+        lp = top = None
+        if req.params.logprobs is not None and out.logprobs is not None:
+            lp = out.logprobs[row]
+            top = out.top_logprobs[row] if out.top_logprobs is not None else None
+        return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top)
+
+    def _finished(self, req: Req) -> None:
+        stop = req.stop_reason if isinstance(req.stop_reason, int) else None
+        self._send(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop, len(req.tokens)))
+        for peer in self.known.pop(req.rid, {}):
+            self._send(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
+
+    def _handoff(self, req: Req, dest: str, now: float) -> None:
+        if dest not in self.to_peer:
+            raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
+        known = self.known.setdefault(req.rid, {})
+        first = None if dest in known else FirstVisit(req.prompt_len, req.params, req.seed)
+        peer = self.algorithm.send(req, dest, known.get(dest, 0))
+        self.engine.scheduler.set_pending(req)
+        self.pending_since[req.rid] = now
+        self.pending_periods += 1
+        self.handoffs_sent += 1
+        known[dest] = peer.loc + len(peer.suffix)
+        self._send(self.to_peer[dest], Peer(self.name, peer, first))
+
+    def stats(self) -> Stats:
+        eng = self.engine
+        return Stats(
+            model=self.name, steps=eng.stats.steps, tokens_written=self.tokens_written,
+            extended_tokens=eng.stats.extended_tokens, handoffs_sent=self.handoffs_sent,
+            pending_periods=self.pending_periods, pending_seconds=self.pending_seconds,
+            preemptions=eng.scheduler.num_preemptions, free_pages=eng.pool.num_free,
+            cached_pages=eng.cache.total_pages, total_pages=eng.pool.num_pages,
+            live_requests=len(eng.reqs),
+        )
+
+    def close(self) -> None:
+        for sock in (self.inbox, self.to_entry, *self.to_peer.values()):
+            sock.close(linger=500)
+        self.ctx.term()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent dies (no orphans even on SIGKILL of the entry)."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def subserver_main(spec: dict[str, Any], group: dict[str, Any], addresses: dict[str, str],
+                   entry_address: str, parent_pid: int) -> None:
+    """Process entry point (spawned by the entry): configure threads and cores, then serve."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = ModelSpec(**spec)
+    if model.cores:
+        os.sched_setaffinity(0, model.cores)
+    import torch
+
+    torch.set_num_threads(model.threads)
+    cfg = GroupConfig.from_dict(group)
+    server = None
+    try:
+        server = Subserver(model, cfg, addresses, entry_address, parent_pid)
+        server.run()
+    except BaseException as e:  # report, then die: the entry turns this into a clear error
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(entry_address)
+        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+        sock.send(encode(ReqError(model.name, None, msg)))
+        sock.close()
+        raise SystemExit(1) from e
+    finally:
+        if server is not None:
+            server.close()
