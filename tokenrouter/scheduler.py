@@ -201,8 +201,9 @@ class Scheduler:
             budget -= n
         # Then admit from the queue, first come first served, while pages and budget allow.
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
-            running = sum(r.status is ReqStatus.RUNNING for r in self.running)
-            n = self._admit(self.waiting[0], budget, headroom=running)
+            # PENDING requests count too: they come back and grow, and a request admitted into
+            # their room would only be preempted again.
+            n = self._admit(self.waiting[0], budget, headroom=len(self.running))
             if n == 0:
                 break
             req = self.waiting.popleft()
