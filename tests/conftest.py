@@ -35,3 +35,16 @@ def hf_models(model_paths: dict[str, Path]) -> dict[str, torch.nn.Module]:
         name: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for name, path in model_paths.items()
     }
+
+
+@pytest.fixture(scope="session")
+def pair_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A small and a larger random model with the same tokenizer and vocabulary."""
+    from tokenrouter.random_model import build_random_model
+
+    root = tmp_path_factory.mktemp("pair")
+    return {
+        "small": build_random_model(root / "small", "llama", "tiny", seed=11),
+        "large": build_random_model(root / "large", "llama", "tiny", seed=12, hidden_size=128,
+                                    num_hidden_layers=3, intermediate_size=256),
+    }

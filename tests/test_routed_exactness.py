@@ -1,0 +1,100 @@
+"""Routed decoding is token-exact: every output token is the greedy choice of the model that wrote
+it, given the prompt and the preceding output (checked against transformers' forward)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import prompts_of
+
+from tokenrouter import LLM, SamplingParams
+from tokenrouter.routed_llm import RoutedLLM
+
+TIE = 1e-5
+
+
+def group(pair_paths, p: float) -> dict:
+    return {
+        "models": [
+            {"name": "small", "path": str(pair_paths["small"]), "kv_cache_tokens": 4096, "page_size": 4},
+            {"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 4096, "page_size": 4},
+        ],
+        "algorithm": {"name": "bernoulli", "p": p},
+    }
+
+
+@pytest.fixture(scope="module")
+def hf_pair(pair_paths):
+    from transformers import AutoModelForCausalLM
+
+    return {n: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for n, path in pair_paths.items()}
+
+
+def check_exact(hf_pair, prompt: list[int], tokens: list[int], models: list[str]) -> int:
+    """Assert each token is its writer's argmax; return how many positions were checked."""
+    seq = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = {n: m(input_ids=seq).logits[0] for n, m in hf_pair.items() if n in models}
+    checked = 0
+    for j, (tok, writer) in enumerate(zip(tokens, models)):
+        row = logits[writer][len(prompt) + j - 1]
+        top2 = row.topk(2).values
+        if (top2[0] - top2[1]).item() < TIE:
+            continue  # a near tie: either choice is exact
+        assert tok == int(row.argmax()), f"token {j} ({tok}) is not {writer}'s greedy choice"
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
+def test_token_exact_under_greedy(pair_paths, hf_pair, p):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with RoutedLLM(group(pair_paths, p)) as llm:
+        for batch in (1, 4, 16):
+            prompts = prompts_of([3 + (7 * i) % 29 for i in range(batch)], seed=100 + batch)
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+            written = {"small": 0, "large": 0}
+            checked = 0
+            for prompt, out in zip(prompts, outs):
+                c = out.outputs[0]
+                assert len(c.token_ids) == 10 and c.finish_reason == "length"
+                assert c.token_models is not None and len(c.token_models) == 10
+                checked += check_exact(hf_pair, prompt, c.token_ids, c.token_models)
+                for m in c.token_models:
+                    written[m] += 1
+            assert checked >= 9 * batch
+            if p == 0.0:
+                assert written["large"] == 0
+            elif p == 1.0:
+                assert written["small"] == 0  # every small token is dropped and rewritten
+            elif p == 0.5 and batch == 16:
+                assert written["small"] > 0 and written["large"] > 0
+            run = llm.last_run
+            assert run is not None and sum(run.tokens_per_model.values()) == 10 * batch
+            assert (run.handoffs > 0) == (written["large"] > 0)
+
+
+def test_p0_is_the_small_model_alone_and_p1_the_large(pair_paths):
+    prompts = prompts_of([5, 12, 20, 9], seed=7)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    alone = {n: [o.outputs[0].token_ids for o in
+                 LLM(str(path), kv_cache_tokens=2048, page_size=4, device="cpu").generate(
+                     prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)]
+             for n, path in pair_paths.items()}
+    for p, name in ((0.0, "small"), (1.0, "large")):
+        with RoutedLLM(group(pair_paths, p)) as llm:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+        assert [o.outputs[0].token_ids for o in outs] == alone[name]
+
+
+def test_seeded_sampling_is_reproducible_across_models(pair_paths):
+    prompts = prompts_of([6, 11, 17], seed=8)
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
+    with RoutedLLM(group(pair_paths, 0.3)) as llm:
+        first = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+        again = llm.generate(prompt_token_ids=prompts[::-1], sampling_params=params, use_tqdm=False, timeout=120)
+    a = [(o.outputs[0].token_ids, o.outputs[0].token_models) for o in first]
+    b = [(o.outputs[0].token_ids, o.outputs[0].token_models) for o in again][::-1]
+    assert a == b
+    assert any("large" in models for _, models in a)
