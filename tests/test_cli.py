@@ -37,3 +37,18 @@ def test_bad_sampling_flag_is_a_clear_error(tmp_path, monkeypatch, capsys):
     rc = cli.main(["generate", "--max-tokens", "0", "--quiet", "--kv-cache-tokens", "512"])
     assert rc == 2
     assert "max_tokens" in capsys.readouterr().err
+
+
+def test_generate_with_a_routed_group(tmp_path, pair_paths, capsys):
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(
+        "models:\n"
+        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 1024, page_size: 4}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 1024, page_size: 4}}\n"
+        "algorithm: {name: bernoulli, p: 0.5}\n")
+    rc = cli.main(["generate", "--config", str(cfg), "--max-tokens", "8", "--ignore-eos", "--quiet",
+                   "--prompt", "hello"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "1 requests, 8 output tokens" in out
+    assert "tokens per model:" in out and "hand-offs:" in out

@@ -13,8 +13,9 @@ from tokenrouter.routed_llm import RoutedLLM
 TIE = 1e-5
 
 
-def group(pair_paths, p: float) -> dict:
+def group(pair_paths, p: float, transport: str = "ipc") -> dict:
     return {
+        "transport": transport,
         "models": [
             {"name": "small", "path": str(pair_paths["small"]), "kv_cache_tokens": 4096, "page_size": 4},
             {"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 4096, "page_size": 4},
@@ -98,3 +99,15 @@ def test_seeded_sampling_is_reproducible_across_models(pair_paths):
     b = [(o.outputs[0].token_ids, o.outputs[0].token_models) for o in again][::-1]
     assert a == b
     assert any("large" in models for _, models in a)
+
+
+def test_tcp_transport_is_exact(pair_paths, hf_pair):
+    prompts = prompts_of([4, 13, 22, 8], seed=9)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    with RoutedLLM(group(pair_paths, 0.5, transport="tcp")) as llm:
+        assert all(r.address.startswith("tcp://127.0.0.1:") for r in llm.entry.info.values())
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        assert check_exact(hf_pair, prompt, c.token_ids, c.token_models) >= 9
+    assert any("large" in o.outputs[0].token_models for o in outs)

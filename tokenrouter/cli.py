@@ -51,25 +51,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from tokenrouter import LLM, SamplingParams
     from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
 
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed_per_request, stop=args.stop or [],
+                            ignore_eos=args.ignore_eos)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    if args.config:
+        return _generate_routed(args, prompts, params)
     model = args.model_path
     if model is None:
         print(RANDOM_WEIGHTS_WARNING, file=sys.stderr)
         model = str(ensure_default_model())
     llm = LLM(model, **engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed_per_request, stop=args.stop or [],
-                            ignore_eos=args.ignore_eos)
-    prompts = args.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
     elapsed = time.perf_counter() - start
+    _print_outputs(outputs, elapsed)
+    info = llm.engine.info()
+    print(f"on {info['device']} {info['dtype']}, model {info['model']}")
+    return 0
+
+
+def _print_outputs(outputs: list, elapsed: float) -> None:
     for out in outputs:
         c = out.outputs[0]
-        print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}]")
+        who = f", by model: {out.extra['tokens_per_model']}" if "tokens_per_model" in out.extra else ""
+        print(f"--- prompt: {out.prompt!r}\n{c.text!r}\n[{len(c.token_ids)} tokens, finish: {c.finish_reason}{who}]")
     n_out = sum(len(o.outputs[0].token_ids) for o in outputs)
-    info = llm.engine.info()
-    print(f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f} s ({n_out / elapsed:.1f} tok/s) "
-          f"on {info['device']} {info['dtype']}, model {info['model']}")
+    print(f"{len(outputs)} requests, {n_out} output tokens in {elapsed:.2f} s ({n_out / elapsed:.1f} tok/s)")
+
+
+def _generate_routed(args: argparse.Namespace, prompts: list[str], params: object) -> int:
+    from tokenrouter.routed_llm import RoutedLLM
+
+    with RoutedLLM(args.config) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)  # type: ignore[arg-type]
+        elapsed = time.perf_counter() - start
+        _print_outputs(outputs, elapsed)
+        run = llm.last_run
+        if run is not None:
+            print(f"tokens per model: {run.tokens_per_model}, hand-offs: {run.handoffs}, "
+                  f"mean time PENDING: {run.mean_pending_seconds * 1e3:.2f} ms")
     return 0
 
 
@@ -78,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions offline with one model")
     add_engine_args(g)
+    g.add_argument("--config", default=None,
+                   help="YAML file of a routed group (models, algorithm); overrides the engine flags")
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: built-in prompts")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)

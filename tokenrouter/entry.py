@@ -25,7 +25,8 @@ import zmq
 
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.messages import (
-    Abort, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, decode, encode,
+    Abort, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology, decode,
+    encode,
 )
 from tokenrouter.routing import make_algorithm
 from tokenrouter.sampling_params import SamplingParams
@@ -90,18 +91,17 @@ class Entry:
         self.visit = self.algorithm.may_visit()
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-")
         tag = uuid.uuid4().hex[:8]
-        self.addresses = {n: f"ipc://{self._dir}/{n}-{tag}" for n in group.names}
-        self.entry_address = f"ipc://{self._dir}/entry-{tag}"
+        if group.transport == "ipc":
+            self.bind_addresses = {n: f"ipc://{self._dir}/{n}-{tag}" for n in group.names}
+            entry_bind = f"ipc://{self._dir}/entry-{tag}"
+        else:
+            self.bind_addresses = {m.name: f"tcp://{m.host}:*" for m in group.models}
+            entry_bind = "tcp://127.0.0.1:*"
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(self.entry_address)
-        self.outbox: dict[str, zmq.Socket] = {}
-        for name, addr in self.addresses.items():
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.LINGER, 500)
-            sock.connect(addr)
-            self.outbox[name] = sock
+        self.inbox.bind(entry_bind)
+        self.entry_address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.outbox: dict[str, zmq.Socket] = {}  # connected as each subserver reports its address
         self.procs: dict[str, Any] = {}
         self.info: dict[str, Ready] = {}
         self.reqs: dict[str, EntryReq] = {}
@@ -129,7 +129,8 @@ class Entry:
         for spec in self.group.models:
             proc = spawn.Process(
                 target=subserver_main, name=f"tokenrouter-{spec.name}",
-                args=(dataclasses.asdict(spec), group_dict, self.addresses, self.entry_address, os.getpid()))
+                args=(dataclasses.asdict(spec), group_dict, self.bind_addresses[spec.name], self.entry_address,
+                      os.getpid()))
             proc.start()
             self.procs[spec.name] = proc
         deadline = time.monotonic() + self.group.startup_timeout
@@ -141,9 +142,17 @@ class Entry:
             for msg in self._recv(timeout=0.2):
                 if isinstance(msg, Ready):
                     self.info[msg.model] = msg
+                    sock = self.ctx.socket(zmq.PUSH)
+                    sock.setsockopt(zmq.SNDHWM, 0)
+                    sock.setsockopt(zmq.LINGER, 500)
+                    sock.connect(msg.address)
+                    self.outbox[msg.model] = sock
                 elif isinstance(msg, ReqError) and msg.rid is None:
                     raise SubserverDied(f"subserver {msg.model!r} failed to start: {msg.message}")
             self._check_alive(force=True)
+        topology = Topology({n: r.address for n, r in self.info.items()})
+        for name in self.group.names:
+            self._send(name, topology)
 
     def _check_alive(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -327,7 +336,10 @@ class Entry:
         if self._closed:
             return
         self._closed = True
-        for name in self.procs:
+        for name, proc in self.procs.items():
+            if name not in self.outbox:
+                proc.terminate()  # never reported ready: nothing to drain
+                continue
             try:
                 self._send(name, Shutdown())
             except zmq.ZMQError:

@@ -28,6 +28,7 @@ class ModelSpec:
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     attention_backend: str = "torch"
+    host: str = "127.0.0.1"  # interface the subserver listens on with the tcp transport
 
     def engine_config(self, seed: int) -> EngineConfig:
         return EngineConfig(
@@ -45,11 +46,14 @@ class GroupConfig:
     algorithm: str = "single"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    transport: str = "ipc"  # "ipc" (one machine) or "tcp"
     startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model
 
     def __post_init__(self) -> None:
         if not self.models:
             raise ValueError("a group needs at least one model")
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct, got {names}")

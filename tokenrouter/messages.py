@@ -33,6 +33,12 @@ class StatsQuery(msgspec.Struct, tag="stats?"):
     pass
 
 
+class Topology(msgspec.Struct, tag="topology"):
+    """Entry -> every subserver, once all are ready: where each model's inbox listens."""
+
+    addresses: dict[str, str]
+
+
 class FirstVisit(msgspec.Struct):
     """What a model needs to create a request it has never seen."""
 
@@ -76,6 +82,7 @@ class Finished(msgspec.Struct, tag="finished"):
 
 class Ready(msgspec.Struct, tag="ready"):
     model: str
+    address: str  # where the subserver's inbox listens
     pid: int
     capacity_tokens: int
     page_size: int
@@ -106,7 +113,7 @@ class Stats(msgspec.Struct, tag="stats"):
     live_requests: int
 
 
-Message = Union[AddReq, Abort, Shutdown, StatsQuery, Peer, Tokens, Finished, Ready, ReqError, Stats]
+Message = Union[AddReq, Abort, Shutdown, StatsQuery, Topology, Peer, Tokens, Finished, Ready, ReqError, Stats]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

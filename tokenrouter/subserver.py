@@ -21,7 +21,7 @@ import zmq
 from tokenrouter.engine import Engine
 from tokenrouter.group_config import GroupConfig, ModelSpec
 from tokenrouter.messages import (
-    Abort, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens,
+    Abort, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology,
     decode, encode,
 )
 from tokenrouter.model_runner import StepOutput
@@ -34,7 +34,7 @@ _ABORT_MEMORY_S = 300.0  # how long an aborted rid is remembered, to drop hand-o
 
 
 class Subserver:
-    def __init__(self, spec: ModelSpec, group: GroupConfig, addresses: dict[str, str], entry_address: str,
+    def __init__(self, spec: ModelSpec, group: GroupConfig, bind_address: str, entry_address: str,
                  parent_pid: int | None = None) -> None:
         self.name = spec.name
         self.parent_pid = parent_pid
@@ -43,9 +43,10 @@ class Subserver:
         self.engine = Engine(spec.engine_config(seed), outputs=self.algorithm.outputs(spec.name))
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
-        self.inbox.bind(addresses[spec.name])
+        self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here
+        self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.to_entry = self._push(entry_address)
-        self.to_peer = {n: self._push(a) for n, a in addresses.items() if n != spec.name}
+        self.to_peer: dict[str, zmq.Socket] = {}  # connected when the Topology message arrives
         # rid -> {peer: number of this request's tokens that peer holds}
         self.known: dict[str, dict[str, int]] = {}
         self.pending_since: dict[str, float] = {}
@@ -67,8 +68,8 @@ class Subserver:
     # ---- the loops -------------------------------------------------------------------------
     def run(self) -> None:
         eng = self.engine
-        self._send(self.to_entry, Ready(self.name, os.getpid(), eng.pool.capacity_tokens, eng.pool.page_size,
-                                        eng.max_model_len, eng.model_config.vocab_size))
+        self._send(self.to_entry, Ready(self.name, self.address, os.getpid(), eng.pool.capacity_tokens,
+                                        eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size))
         last_check = time.monotonic()
         while self.running:
             busy = eng.scheduler.has_work()
@@ -111,6 +112,10 @@ class Subserver:
         elif isinstance(msg, Abort):
             self.aborted[msg.rid] = time.monotonic()
             self._drop(msg.rid)
+        elif isinstance(msg, Topology):
+            for name, address in msg.addresses.items():
+                if name != self.name and name not in self.to_peer:
+                    self.to_peer[name] = self._push(address)
         elif isinstance(msg, StatsQuery):
             self._send(self.to_entry, self.stats())
         elif isinstance(msg, Shutdown):
@@ -232,7 +237,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def subserver_main(spec: dict[str, Any], group: dict[str, Any], addresses: dict[str, str],
+def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: str,
                    entry_address: str, parent_pid: int) -> None:
     """Process entry point (spawned by the entry): configure threads and cores, then serve."""
     _die_with_parent()
@@ -247,7 +252,7 @@ def subserver_main(spec: dict[str, Any], group: dict[str, Any], addresses: dict[
     cfg = GroupConfig.from_dict(group)
     server = None
     try:
-        server = Subserver(model, cfg, addresses, entry_address, parent_pid)
+        server = Subserver(model, cfg, bind_address, entry_address, parent_pid)
         server.run()
     except BaseException as e:  # report, then die: the entry turns this into a clear error
         ctx = zmq.Context.instance()
