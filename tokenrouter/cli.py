@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -95,6 +96,44 @@ def _generate_routed(args: argparse.Namespace, prompts: list[str], params: objec
     return 0
 
 
+def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
+    """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
+    from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
+    from tokenrouter.group_config import GroupConfig, ModelSpec
+
+    if args.config:
+        group = GroupConfig.from_yaml(args.config)
+        return group, args.served_model_name or group.name
+    path = args.model_path
+    if path is None:
+        print(RANDOM_WEIGHTS_WARNING, file=sys.stderr)
+        path = str(ensure_default_model())
+        name = "default"
+    else:
+        name = os.path.basename(os.path.normpath(path))
+    kw = engine_kwargs(args)
+    spec = ModelSpec(
+        name=re.sub(r"[^A-Za-z0-9_-]", "-", args.served_model_name or name), path=path, dtype=kw["dtype"], device=kw["device"] if kw["device"] != "auto" else "cpu",
+        threads=args.num_threads, page_size=args.page_size, max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size, kv_cache_tokens=args.kv_cache_tokens,
+        mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
+        enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend)
+    group = GroupConfig(models=[spec], algorithm="single", name=args.served_model_name or name, seed=args.seed)
+    return group, group.name
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    from tokenrouter.server.launch import serve
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    group, name = group_from_args(args)
+    serve(group, host=args.host, port=args.port, api_key=args.api_key, model_name=name,  # type: ignore[arg-type]
+          grace_period=args.grace_period, log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +151,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="serve the OpenAI-compatible API (one model, or a routed group)")
+    add_engine_args(sv)
+    sv.add_argument("--config", default=None, help="YAML file of a routed group; overrides the engine flags")
+    sv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients send")
+    sv.add_argument("--grace-period", type=float, default=30.0,
+                    help="seconds in-flight requests may finish after SIGTERM before they are aborted")
+    sv.add_argument("--log-level", default="info")
+    sv.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -58,6 +58,7 @@ class EntryReq:
     detok: IncrementalDetokenizer | None = None
     text: str | None = None  # final text when a stop string cut it
     admitted: bool = False
+    released: int = 0  # characters of text already handed out as deltas
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -80,13 +81,17 @@ class EntryEvent(NamedTuple):
     req: EntryReq
     token: int | None = None
     model: str | None = None
+    text: str = ""  # newly released text (detokenizing entries only; never a broken character)
 
 
 class Entry:
     """Owns the subserver processes and the request table; raises SubserverDied when one dies."""
 
-    def __init__(self, group: GroupConfig) -> None:
+    def __init__(self, group: GroupConfig, detokenize: bool = False) -> None:
+        """`detokenize`: release text deltas with token events (streaming servers). Text that could
+        still become a stop string is held back until it cannot."""
         self.group = group
+        self.detokenize = detokenize
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
         self.visit = self.algorithm.may_visit()
         self._dir = tempfile.mkdtemp(prefix="tokenrouter-")
@@ -181,21 +186,16 @@ class Entry:
         self.outbox[model].send(encode(msg), zmq.NOBLOCK)
 
     # ---- requests --------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
-        """Validate (ValueError naming the problem) and queue; admitted when every model it may
-        visit has room to reserve its whole KV footprint, so a hand-off never finds a peer full."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, int]:
+        """Raise ValueError naming what is wrong; else return the KV tokens to reserve per model.
+        Reads only constants, so any thread may call it."""
         params.validate()
         if not prompt_ids:
             raise ValueError("prompt is empty: a request needs at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens, but the context is {self.context_len} tokens")
-        if rid is None:
-            rid = f"req-{self._next_rid}"
-            self._next_rid += 1
-        if rid in self.reqs:
-            raise ValueError(f"request id {rid!r} is already in use")
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.context_len} tokens")
         max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
         reserve = {}
         for name in self.visit:
@@ -204,9 +204,21 @@ class Entry:
             if reserve[name] > self.info[name].capacity_tokens:
                 raise ValueError(f"request needs {reserve[name]} tokens of KV on model {name!r}, "
                                  f"whose pool holds {self.info[name].capacity_tokens}")
+        return reserve
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
+        """Validate (ValueError naming the problem) and queue; admitted when every model it may
+        visit has room to reserve its whole KV footprint, so a hand-off never finds a peer full."""
+        reserve = self.validate(prompt_ids, params)
+        if rid is None:
+            rid = f"req-{self._next_rid}"
+            self._next_rid += 1
+        if rid in self.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         req = EntryReq(rid, list(prompt_ids), params, seed, max_tokens, reserve)
-        if params.stop:
+        if params.stop or self.detokenize:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self.reqs[rid] = req
         self.queue.append(req)
@@ -231,6 +243,13 @@ class Entry:
         if req is None:
             return
         self._end(req, "abort")
+
+    def end_with_error(self, rid: str, message: str) -> EntryReq | None:
+        req = self.reqs.get(rid)
+        if req is not None:
+            req.error = message
+            self._end(req, "error")
+        return req
 
     def _end(self, req: EntryReq, reason: str, stop: int | str | None = None) -> None:
         """Finish req at the entry; tell every subserver to drop it unless one already finished it."""
@@ -273,13 +292,12 @@ class Entry:
             elif isinstance(msg, ReqError):
                 if msg.rid is None:
                     raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
-                req = self.reqs.get(msg.rid)
+                req = self.end_with_error(msg.rid, f"{msg.model}: {msg.message}")
                 if req is not None:
-                    req.error = f"{msg.model}: {msg.message}"
-                    self._end(req, "error")
                     events.append(EntryEvent("finished", req))
             elif isinstance(msg, Stats):
                 self._stats[msg.model] = msg
+            # Wake carries nothing: another thread sends it to cut a poll short.
         self._check_alive()
         return events
 
@@ -293,13 +311,24 @@ class Entry:
                 req.top_logprobs.append(item.top_logprobs or {})
             if req.first_token_time is None:
                 req.first_token_time = time.monotonic()
-            events.append(EntryEvent("token", req, item.token, model))
             if req.detok is not None and self._stop_string_hit(req, item.token):
+                events.append(EntryEvent("token", req, item.token, model, self._release(req)))
                 events.append(EntryEvent("finished", req))
                 return
+            events.append(EntryEvent("token", req, item.token, model, self._release(req)))
         if req.final is not None and req.next_pos >= req.final.length and not req.done:
             self._end(req, req.final.reason, req.final.stop_reason)
-            events.append(EntryEvent("finished", req))
+            events.append(EntryEvent("finished", req, text=self._release(req)))
+
+    def _release(self, req: EntryReq) -> str:
+        """Text not yet handed out, less a tail that could still grow into a stop string."""
+        if not self.detokenize or req.detok is None:
+            return ""
+        text = req.text if req.text is not None else req.detok.text
+        hold = 0 if req.done else max((len(s) - 1 for s in req.params.stop), default=0)
+        end = max(req.released, len(text) - hold)
+        out, req.released = text[req.released:end], end
+        return out
 
     def _stop_string_hit(self, req: EntryReq, token: int) -> bool:
         assert req.detok is not None

@@ -45,6 +45,7 @@ class GroupConfig:
     models: list[ModelSpec]
     algorithm: str = "single"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
+    name: str = "tokenrouter"  # the model name the server answers to
     seed: int = 0
     transport: str = "ipc"  # "ipc" (one machine) or "tcp"
     startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model

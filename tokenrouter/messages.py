@@ -33,6 +33,10 @@ class StatsQuery(msgspec.Struct, tag="stats?"):
     pass
 
 
+class Wake(msgspec.Struct, tag="wake"):
+    """To the entry's own inbox from another thread of its process: stop waiting, work arrived."""
+
+
 class Topology(msgspec.Struct, tag="topology"):
     """Entry -> every subserver, once all are ready: where each model's inbox listens."""
 
@@ -98,6 +102,10 @@ class ReqError(msgspec.Struct, tag="error"):
     message: str
 
 
+# Upper bounds (seconds) of the step-latency histogram each subserver keeps; the last bucket is +Inf.
+STEP_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
 class Stats(msgspec.Struct, tag="stats"):
     model: str
     steps: int
@@ -111,9 +119,12 @@ class Stats(msgspec.Struct, tag="stats"):
     cached_pages: int
     total_pages: int
     live_requests: int
+    waiting_requests: int
+    step_seconds_sum: float
+    step_buckets: list[int]  # steps per STEP_LATENCY_BUCKETS bound, then the +Inf overflow (not cumulative)
 
 
-Message = Union[AddReq, Abort, Shutdown, StatsQuery, Topology, Peer, Tokens, Finished, Ready, ReqError, Stats]
+Message = Union[AddReq, Abort, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished, Ready, ReqError, Stats]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

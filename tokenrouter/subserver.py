@@ -7,6 +7,7 @@ engine know nothing of sockets; this file is the only place that joins them.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import os
@@ -21,6 +22,7 @@ import zmq
 from tokenrouter.engine import Engine
 from tokenrouter.group_config import GroupConfig, ModelSpec
 from tokenrouter.messages import (
+    STEP_LATENCY_BUCKETS,
     Abort, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology,
     decode, encode,
 )
@@ -54,6 +56,8 @@ class Subserver:
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
         self.pending_seconds = 0.0
+        self.step_seconds_sum = 0.0
+        self.step_buckets = [0] * (len(STEP_LATENCY_BUCKETS) + 1)
 
     def _push(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -157,8 +161,14 @@ class Subserver:
 
     def _step(self) -> None:
         eng = self.engine
+        t0 = time.perf_counter()
         out = eng.forward_step()
-        if out is None or not out.reqs:
+        if out is None:
+            return
+        took = time.perf_counter() - t0
+        self.step_seconds_sum += took
+        self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
+        if not out.reqs:
             return
         routes = self.algorithm.route(self.name, out)
         now = time.monotonic()
@@ -218,7 +228,8 @@ class Subserver:
             pending_periods=self.pending_periods, pending_seconds=self.pending_seconds,
             preemptions=eng.scheduler.num_preemptions, free_pages=eng.pool.num_free,
             cached_pages=eng.cache.total_pages, total_pages=eng.pool.num_pages,
-            live_requests=len(eng.reqs),
+            live_requests=len(eng.reqs), waiting_requests=len(eng.scheduler.waiting),
+            step_seconds_sum=self.step_seconds_sum, step_buckets=list(self.step_buckets),
         )
 
     def close(self) -> None:

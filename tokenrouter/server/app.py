@@ -1,0 +1,308 @@
+"""The OpenAI-compatible HTTP API over a routed group (a single model is a group of one)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
+from tokenrouter.server.metrics import ServerMetrics
+from tokenrouter.server.protocol import (
+    APIError, ChatCompletionRequest, CompletionRequest, validation_message,
+)
+
+logger = logging.getLogger(__name__)
+
+# ChatML, for tokenizers that ship no chat template.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class ServerConfig:
+    model_name: str
+    api_key: str | None = None
+
+
+class _Gen:
+    """The outcome of one generation, gathered as events arrive."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.stream = stream
+        self.tokens: list[TokenOut] = []
+        self.done: Done | None = None
+        self.text = ""
+        self.start = time.monotonic()
+        self.first_token: float | None = None
+
+    async def events(self) -> AsyncIterator[TokenOut | Done]:
+        while self.done is None:
+            item = await self.stream.events.get()
+            if isinstance(item, TokenOut):
+                if self.first_token is None:
+                    self.first_token = time.monotonic()
+                self.tokens.append(item)
+            else:
+                self.done = item
+            self.text += item.text
+            yield item
+
+
+def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
+    metrics = ServerMetrics()
+    if getattr(tokenizer, "chat_template", None) is None:
+        logger.warning("the tokenizer has no chat template; chat requests use ChatML")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        runtime.close()
+
+    app = FastAPI(title="tokenrouter", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        metrics.rejected.labels(str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    def check_auth(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+            raise APIError(401, "invalid API key", type_="authentication_error", code="invalid_api_key")
+
+    async def parse(request: Request, model: type[pydantic.BaseModel]) -> Any:
+        body = await request.body()
+        try:
+            json.loads(body)
+        except ValueError:
+            raise APIError(400, "the request body is not valid JSON") from None
+        try:
+            req = model.model_validate_json(body)
+        except pydantic.ValidationError as e:
+            msg, param = validation_message(e)
+            raise APIError(400, msg, param=param) from None
+        if req.model != cfg.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
+                           param="model", code="model_not_found")
+        req.check_common()
+        return req
+
+    def context_len() -> int:
+        assert runtime.entry is not None
+        return runtime.entry.context_len
+
+    def plan_tokens(n_prompt: int, max_tokens: int | None) -> int:
+        ctx = context_len()
+        if n_prompt == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if max_tokens is None:
+            max_tokens = ctx - n_prompt
+        if max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if n_prompt + max_tokens > ctx:
+            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the "
+                                "completion). Please reduce the length of the prompt or completion.",
+                           param="max_tokens")
+        return max_tokens
+
+    def submit(ids: list[int], params: Any) -> _Gen:
+        try:
+            return _Gen(runtime.submit(ids, params))
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except EntryUnavailable as e:
+            raise APIError(503, f"the server cannot take requests: {e}", type_="service_unavailable") from None
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(tok: int) -> str:
+        return tokenizer.decode([tok])
+
+    def record(gen: _Gen) -> None:
+        assert gen.done is not None
+        metrics.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model, gen.done.handoffs)
+        metrics.e2e.observe(time.monotonic() - gen.start)
+        if gen.first_token is not None:
+            metrics.ttft.observe(gen.first_token - gen.start)
+
+    async def run_to_end(request: Request, gen: _Gen) -> None:
+        """Collect a whole generation; abort it if the client goes away first."""
+        async def collect() -> None:
+            async for _ in gen.events():
+                pass
+
+        task = asyncio.create_task(collect())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    runtime.abort(gen.stream.rid)
+                    raise APIError(499, "client disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+                runtime.abort(gen.stream.rid)
+        record(gen)
+        if gen.done is not None and gen.done.finish_reason == "error":
+            raise APIError(500, f"generation failed: {gen.done.error}", type_="internal_error")
+
+    def usage(gen: _Gen) -> dict[str, int]:
+        n_out = len(gen.tokens)
+        return {"prompt_tokens": gen.stream.prompt_len, "completion_tokens": n_out,
+                "total_tokens": gen.stream.prompt_len + n_out}
+
+    def routing(gen: _Gen) -> dict[str, Any]:
+        if gen.done is not None and gen.done.tokens_per_model:
+            per_model = gen.done.tokens_per_model
+        else:
+            per_model = {}
+            for t in gen.tokens:
+                per_model[t.model] = per_model.get(t.model, 0) + 1
+        return {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0}
+
+    def finish_reason(done: Done) -> str:
+        return "length" if done.finish_reason == "length" else "stop"
+
+    def completion_logprobs(toks: list[TokenOut], offset: int) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for t in toks:
+            out["tokens"].append(token_text(t.token))
+            out["token_logprobs"].append(t.logprob)
+            out["top_logprobs"].append({token_text(k): v for k, v in (t.top_logprobs or {}).items()})
+            out["text_offset"].append(offset)
+            offset += len(t.text)
+        return out
+
+    def chat_logprobs(toks: list[TokenOut]) -> dict[str, Any]:
+        def entry(tok: int, lp: float | None) -> dict[str, Any]:
+            s = token_text(tok)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+        return {"content": [
+            {**entry(t.token, t.logprob),
+             "top_logprobs": [entry(k, v) for k, v in (t.top_logprobs or {}).items()]}
+            for t in toks]}
+
+    def sse(obj: Any) -> str:
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+    async def stream_events(request: Request, gen: _Gen, chunk: Any, include_usage: bool) -> AsyncIterator[str]:
+        """SSE: one chunk per token with text, a final chunk with the finish reason, [DONE]."""
+        try:
+            async for item in gen.events():
+                if isinstance(item, TokenOut):
+                    if item.text or item.logprob is not None:
+                        yield sse(chunk([item], item.text, None))
+                else:
+                    if item.finish_reason == "error":
+                        yield sse(APIError(500, f"generation failed: {item.error}", type_="internal_error").body())
+                        break
+                    yield sse({**chunk([], item.text, finish_reason(item)), "routing": routing(gen)})
+                    if include_usage:
+                        yield sse({**chunk([], "", None), "choices": [], "usage": usage(gen)})
+            yield "data: [DONE]\n\n"
+        finally:
+            if gen.done is None:
+                runtime.abort(gen.stream.rid)  # the client went away mid-stream
+            else:
+                record(gen)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        check_auth(request)
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        prompt = body.single_prompt()
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = plan_tokens(len(ids), body.max_tokens)
+        gen = submit(ids, body.sampling(max_tokens, body.logprobs))
+        rid, created = gen.stream.rid, int(time.time())
+        want_lp = body.logprobs is not None
+
+        def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+            return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
+                    "choices": [{"index": 0, "text": text, "finish_reason": reason,
+                                 "logprobs": completion_logprobs(toks, 0) if want_lp else None}]}
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_events(request, gen, chunk, include), media_type="text/event-stream")
+        await run_to_end(request, gen)
+        assert gen.done is not None
+        out = chunk(gen.tokens, gen.text, finish_reason(gen.done))
+        return JSONResponse({**out, "usage": usage(gen), "routing": routing(gen)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_auth(request)
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        try:
+            text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                                 tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+            raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        logprobs = body.requested_logprobs()
+        max_tokens = plan_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
+        gen = submit(ids, body.sampling(max_tokens, logprobs))
+        rid, created = "chat" + gen.stream.rid, int(time.time())
+        first = [True]
+
+        def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+            delta: dict[str, Any] = {"content": text} if text or reason is None else {}
+            if first[0]:
+                delta = {"role": "assistant", **delta}
+                first[0] = False
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                                 "logprobs": chat_logprobs(toks) if logprobs is not None else None}]}
+
+        if body.stream:
+            include = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream_events(request, gen, chunk, include), media_type="text/event-stream")
+        await run_to_end(request, gen)
+        assert gen.done is not None
+        return JSONResponse({
+            "id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
+                         "finish_reason": finish_reason(gen.done),
+                         "logprobs": chat_logprobs(gen.tokens) if logprobs is not None else None}],
+            "usage": usage(gen), "routing": routing(gen)})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": cfg.model_name, "object": "model", "created": 0, "owned_by": "tokenrouter",
+            "max_model_len": context_len() if runtime.entry else None,
+            "members": runtime.group.names}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        if runtime.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "error": str(runtime.error or "")}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        stats = await runtime.stats() if runtime.healthy else {}
+        waiting, running = runtime.queue_lengths()
+        return Response(metrics.render(stats, waiting, running), media_type="text/plain; version=0.0.4")
+
+    return app

@@ -1,0 +1,235 @@
+"""Runs the Entry in its own thread and hands its events to asyncio.
+
+The Entry owns zmq sockets, which must stay in one thread; HTTP handlers live on the event loop.
+Handlers enqueue commands (add, abort, stats) and wake the entry thread with a message on its own
+inbox; the thread delivers each request's events to that request's asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from tokenrouter.entry import Entry, EntryEvent, EntryReq, SubserverDied
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.messages import Stats, Wake, encode
+from tokenrouter.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenOut:
+    token: int
+    model: str
+    text: str
+    logprob: float | None
+    top_logprobs: dict[int, float] | None
+
+
+@dataclass
+class Done:
+    finish_reason: str
+    stop_reason: int | str | None
+    text: str  # the last released text
+    error: str | None
+    tokens_per_model: dict[str, int]
+    handoffs: int
+
+
+@dataclass
+class RequestStream:
+    """One request as the event loop sees it: its events arrive on `events`."""
+
+    rid: str
+    prompt_len: int
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+
+
+class EntryUnavailable(RuntimeError):
+    """The group is not serving (starting, stopped, or a subserver died)."""
+
+
+class AsyncEntry:
+    def __init__(self, group: GroupConfig) -> None:
+        self.group = group
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tokenrouter-entry", daemon=True)
+        self._wake_local = threading.local()
+        self.entry: Entry | None = None
+        self.info: dict[str, Any] = {}
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def start(self, timeout: float | None = None) -> None:
+        """Start the entry thread and its subservers; raise if they fail to come up."""
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        if not self._ready.is_set():
+            raise EntryUnavailable("the routed group did not start in time")
+
+    @property
+    def healthy(self) -> bool:
+        return self._ready.is_set() and self._error is None and not self._stop.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(15.0)
+
+    # ---- commands from the event loop --------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; a bad one raises ValueError here (handlers answer 400). Its events
+        (TokenOut, then one Done) arrive on the stream's queue."""
+        if not self.healthy:
+            raise EntryUnavailable(str(self._error) if self._error else "the routed group is not serving")
+        assert self.entry is not None
+        self.entry.validate(prompt_ids, params)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        stream = RequestStream(rid, len(prompt_ids))
+        self._streams[rid] = (stream, asyncio.get_running_loop())
+        self._commands.put(("add", rid, prompt_ids, params))
+        self._wake()
+        return stream
+
+    def abort(self, rid: str) -> None:
+        if self._streams.pop(rid, None) is not None:
+            self._commands.put(("abort", rid))
+            self._wake()
+
+    async def stats(self) -> dict[str, Stats]:
+        fut: asyncio.Future[dict[str, Stats]] = asyncio.get_running_loop().create_future()
+        self._commands.put(("stats", fut, asyncio.get_running_loop()))
+        self._wake()
+        return await asyncio.wait_for(fut, 10.0)
+
+    def queue_lengths(self) -> tuple[int, int]:
+        """(requests waiting for admission, requests admitted and unfinished) — approximate."""
+        e = self.entry
+        if e is None:
+            return 0, 0
+        waiting = len(e.queue)
+        return waiting, len(e.reqs) - waiting
+
+    def _wake(self) -> None:
+        if self.entry is None:
+            return
+        sock = getattr(self._wake_local, "sock", None)
+        if sock is None:
+            sock = self.entry.ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.entry.entry_address)
+            self._wake_local.sock = sock
+        try:
+            sock.send(encode(Wake()), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    # ---- the entry thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.entry = Entry(self.group, detokenize=True)
+            self.info = {n: r for n, r in self.entry.info.items()}
+        except BaseException as e:  # noqa: BLE001 - reported to start()
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        entry = self.entry
+        try:
+            while not self._stop.is_set():
+                self._run_commands(entry)
+                for ev in entry.poll(0.5):
+                    self._deliver(ev)
+        except SubserverDied as e:
+            logger.error("%s", e)
+            self._error = e
+            self._fail_all(str(e))
+        except BaseException as e:  # noqa: BLE001
+            logger.exception("entry thread failed")
+            self._error = e
+            self._fail_all(f"internal error: {e}")
+        finally:
+            entry.close()
+
+    def _run_commands(self, entry: Entry) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt_ids, params = cmd
+                if rid not in self._streams:
+                    continue  # aborted before it was added
+                try:
+                    entry.add(prompt_ids, params, rid=rid)
+                except ValueError as e:
+                    self._post(rid, Done("error", None, "", str(e), {}, 0))
+            elif cmd[0] == "abort":
+                entry.abort(cmd[1])
+            elif cmd[0] == "stats":
+                _, fut, loop = cmd
+                try:
+                    result = entry.stats()
+                    loop.call_soon_threadsafe(_resolve, fut, result, None)
+                except BaseException as e:  # noqa: BLE001
+                    loop.call_soon_threadsafe(_resolve, fut, None, e)
+
+    def _deliver(self, ev: EntryEvent) -> None:
+        req = ev.req
+        if ev.kind == "token":
+            lp = req.logprobs[-1] if req.params.logprobs is not None and req.logprobs else None
+            top = req.top_logprobs[-1] if lp is not None else None
+            self._post(req.rid, TokenOut(ev.token or 0, ev.model or "", ev.text, lp, top))
+        else:
+            self._post(req.rid, _done(req, ev.text))
+            self._streams.pop(req.rid, None)
+
+    def _post(self, rid: str, item: Any) -> None:
+        entry = self._streams.get(rid)
+        if entry is None:
+            return
+        stream, loop = entry
+        try:
+            loop.call_soon_threadsafe(stream.events.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening
+            self._streams.pop(rid, None)
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self._streams):
+            self._post(rid, Done("error", None, "", message, {}, 0))
+        self._streams.clear()
+
+
+def _done(req: EntryReq, text: str) -> Done:
+    counts: dict[str, int] = {}
+    for m in req.models:
+        counts[m] = counts.get(m, 0) + 1
+    return Done(req.finish_reason or "stop", req.stop_reason, text, req.error, counts, req.handoffs)
+
+
+def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(result)

@@ -1,0 +1,33 @@
+"""Start the server: the routed group's subservers, the entry thread, and uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.server.app import ServerConfig, build_app
+from tokenrouter.server.async_entry import AsyncEntry
+from tokenrouter.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, grace_period: float = 30.0, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish for up to
+    `grace_period` seconds (the rest are aborted), stop every subserver and return."""
+    runtime = AsyncEntry(group)
+    runtime.start(timeout=group.startup_timeout + 10)
+    try:
+        assert runtime.entry is not None
+        tokenizer = load_tokenizer(group.spec(runtime.entry.algorithm.entry_model).path)
+        app = build_app(runtime, tokenizer, ServerConfig(model_name or group.name, api_key))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=grace_period, access_log=False)
+        server = uvicorn.Server(config)
+        logger.info("serving %s (%s) on http://%s:%d", model_name or group.name, ", ".join(group.names), host, port)
+        server.run()
+    finally:
+        runtime.close()

@@ -1,0 +1,128 @@
+"""OpenAI request schemas (validated strictly) and the error body OpenAI clients expect."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenrouter.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    # Strict: "5" is not an integer. Unknown fields are accepted and ignored, as OpenAI's own SDK
+    # sends fields (user, metadata, ...) that change nothing here.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM, SGLang)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    ignore_eos: bool = False  # extension
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+    def check_common(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+
+    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos, logprobs=logprobs,
+            )
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            p = p[0]  # type: ignore[assignment]
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        return p  # type: ignore[return-value]
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def validation_message(exc: Any) -> tuple[str, str | None]:
+    """A one-line message and the offending field from a pydantic ValidationError."""
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    msg = err.get("msg", "invalid value")
+    return (f"{loc}: {msg}" if loc else msg), (loc or None)
