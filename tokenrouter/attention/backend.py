@@ -35,9 +35,18 @@ class AttentionBackend(ABC):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
+BACKENDS = ("torch", "torch-reference")
+
+
 def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
+    """`torch`: the default, pure PyTorch, tuned for CPU (torch_backend.py). `torch-reference`: the
+    original simple SDPA version that the tests compare against (reference_backend.py)."""
     if name == "torch":
         from tokenrouter.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r}; available: torch")
+    if name == "torch-reference":
+        from tokenrouter.attention.reference_backend import ReferenceAttentionBackend
+
+        return ReferenceAttentionBackend(pool, num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"unknown attention backend {name!r}; available: {', '.join(BACKENDS)}")

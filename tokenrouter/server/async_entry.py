@@ -66,6 +66,9 @@ class AsyncEntry:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="tokenrouter-entry", daemon=True)
+        # Wake sockets live in a context of their own: the entry's context.term() waits for every
+        # socket of its context, and these belong to other threads.
+        self._wake_ctx = zmq.Context()
         self._wake_local = threading.local()
         self.entry: Entry | None = None
         self.info: dict[str, Any] = {}
@@ -93,6 +96,7 @@ class AsyncEntry:
         self._wake()
         if self._thread.is_alive():
             self._thread.join(15.0)
+        self._wake_ctx.destroy(linger=0)
 
     # ---- commands from the event loop --------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
@@ -133,7 +137,9 @@ class AsyncEntry:
             return
         sock = getattr(self._wake_local, "sock", None)
         if sock is None:
-            sock = self.entry.ctx.socket(zmq.PUSH)
+            if self._wake_ctx.closed:
+                return
+            sock = self._wake_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(self.entry.entry_address)
             self._wake_local.sock = sock

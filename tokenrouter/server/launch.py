@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import uvicorn
 
@@ -12,6 +14,20 @@ from tokenrouter.server.async_entry import AsyncEntry
 from tokenrouter.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, killing the process before our
+    own cleanup runs; here a signal ends serve() normally, so the subservers are stopped and the
+    process exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
 
 
 def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
@@ -26,7 +42,7 @@ def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key
         app = build_app(runtime, tokenizer, ServerConfig(model_name or group.name, api_key))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=grace_period, access_log=False)
-        server = uvicorn.Server(config)
+        server = _Server(config)
         logger.info("serving %s (%s) on http://%s:%d", model_name or group.name, ", ".join(group.names), host, port)
         server.run()
     finally:
