@@ -111,3 +111,16 @@ def test_tcp_transport_is_exact(pair_paths, hf_pair):
         c = out.outputs[0]
         assert check_exact(hf_pair, prompt, c.token_ids, c.token_models) >= 9
     assert any("large" in o.outputs[0].token_models for o in outs)
+
+
+def test_delayed_batching_changes_timing_not_tokens(pair_paths):
+    prompts = prompts_of([5, 9, 14, 3, 20, 11, 7, 16], seed=10)
+    params = SamplingParams(max_tokens=12, temperature=0.0, seed=3, ignore_eos=True)
+    results = []
+    for launch in ({"policy": "eager"},
+                   {"policy": "threshold", "thresholds": {"large": {1: 1, 4: 3, 8: 6}}}):
+        cfg = {**group(pair_paths, 0.5), "launch": launch}
+        with RoutedLLM(cfg) as llm:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].token_models) for o in outs])
+    assert results[0] == results[1]

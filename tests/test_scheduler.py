@@ -11,7 +11,8 @@ from tokenrouter.kv_pool import KVPool
 from tokenrouter.radix_cache import RadixCache
 from tokenrouter.req import Req, ReqStatus
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.scheduler import EagerLaunch, LaunchPolicy, ScheduledBatch, Scheduler, SchedulerConfig
+from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy
+from tokenrouter.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 
 def make_sched(num_pages=64, page_size=4, max_running=8, chunk=64, cache=True, launch=None):

@@ -25,7 +25,7 @@ import zmq
 
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.messages import (
-    Abort, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology, decode,
+    Abort, Active, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology, decode,
     encode,
 )
 from tokenrouter.routing import make_algorithm
@@ -117,6 +117,7 @@ class Entry:
         self._last_liveness = 0.0
         self._backlog: list[EntryEvent] = []
         self._stats: dict[str, Stats] = {}
+        self._active_sent = 0
         atexit.register(self.close)
         try:
             self._start()
@@ -225,7 +226,21 @@ class Entry:
         self._admit()
         return req
 
+    def _broadcast_active(self) -> None:
+        """Tell every subserver the group's live count (their launch thresholds depend on it)."""
+        n = len(self.reqs) - len(self.queue)
+        if n != self._active_sent:
+            self._active_sent = n
+            for name in self.group.names:
+                self._send(name, Active(n))
+
     def _admit(self) -> None:
+        try:
+            self._admit_queued()
+        finally:
+            self._broadcast_active()
+
+    def _admit_queued(self) -> None:
         while self.queue:
             req = self.queue[0]
             if any(self.reserved[n] + t > self.info[n].capacity_tokens for n, t in req.reserve.items()):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenrouter.config import EngineConfig
+from tokenrouter.launch_policy import Thresholds, check_deadlock_free
 
 
 @dataclass
@@ -48,6 +49,8 @@ class GroupConfig:
     name: str = "tokenrouter"  # the model name the server answers to
     seed: int = 0
     transport: str = "ipc"  # "ipc" (one machine) or "tcp"
+    # Delayed batching: {"policy": "eager"} or {"policy": "threshold", "thresholds": {model: B or {n: B}}}
+    launch: dict[str, Any] = field(default_factory=lambda: {"policy": "eager"})
     startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model
 
     def __post_init__(self) -> None:
@@ -61,6 +64,23 @@ class GroupConfig:
         for m in self.models:
             if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"model name {m.name!r} must be letters, digits, '-' or '_'")
+        self.launch_thresholds()  # validates the launch settings
+
+    def launch_thresholds(self) -> dict[str, Thresholds]:
+        """Per-model launch thresholds (models not named launch eagerly); checked deadlock free."""
+        policy = self.launch.get("policy", "eager")
+        if policy == "eager":
+            return {}
+        if policy != "threshold":
+            raise ValueError(f"launch policy must be 'eager' or 'threshold', got {policy!r}")
+        raw = self.launch.get("thresholds") or {}
+        unknown = sorted(set(raw) - set(self.names))
+        if unknown:
+            raise ValueError(f"launch thresholds name unknown model(s): {', '.join(unknown)}")
+        table = {m: Thresholds(v) for m, v in raw.items()}
+        largest = max((max(t.as_dict()) for t in table.values()), default=1)
+        check_deadlock_free(table, largest + 64)
+        return table
 
     @property
     def names(self) -> list[str]:

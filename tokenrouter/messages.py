@@ -33,6 +33,12 @@ class StatsQuery(msgspec.Struct, tag="stats?"):
     pass
 
 
+class Active(msgspec.Struct, tag="active"):
+    """Entry -> every subserver: the group now has n live (admitted, unfinished) requests."""
+
+    n: int
+
+
 class Wake(msgspec.Struct, tag="wake"):
     """To the entry's own inbox from another thread of its process: stop waiting, work arrived."""
 
@@ -124,7 +130,7 @@ class Stats(msgspec.Struct, tag="stats"):
     step_buckets: list[int]  # steps per STEP_LATENCY_BUCKETS bound, then the +Inf overflow (not cumulative)
 
 
-Message = Union[AddReq, Abort, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished, Ready, ReqError, Stats]
+Message = Union[AddReq, Abort, Active, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished, Ready, ReqError, Stats]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -8,33 +8,14 @@ the server and the tests.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from tokenrouter.kv_pool import KVPool
+from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy
 from tokenrouter.radix_cache import MatchResult, RadixCache
 from tokenrouter.req import Req, ReqStatus
-
-
-class LaunchPolicy(ABC):
-    """Decides whether a step launches now (the seam for delayed batching).
-
-    Called with the number of requests ready to run on this model and the number of live requests
-    (ready, PENDING at a peer, or waiting). A policy must launch whenever num_ready == num_active,
-    since then nothing else can arrive to fill the batch: that keeps every policy deadlock free.
-    """
-
-    @abstractmethod
-    def should_launch(self, num_ready: int, num_active: int) -> bool: ...
-
-
-class EagerLaunch(LaunchPolicy):
-    """Launch whenever anything is ready (B = 1)."""
-
-    def should_launch(self, num_ready: int, num_active: int) -> bool:
-        return num_ready > 0
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ from tokenrouter.engine import Engine
 from tokenrouter.group_config import GroupConfig, ModelSpec
 from tokenrouter.messages import (
     STEP_LATENCY_BUCKETS,
-    Abort, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology,
+    Abort, Active, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology,
     decode, encode,
 )
+from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch
 from tokenrouter.model_runner import StepOutput
 from tokenrouter.req import Req, ReqStatus
 from tokenrouter.routing import PeerReq, make_algorithm
@@ -42,7 +43,9 @@ class Subserver:
         self.parent_pid = parent_pid
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
         seed = group.seed + group.names.index(spec.name)
-        self.engine = Engine(spec.engine_config(seed), outputs=self.algorithm.outputs(spec.name))
+        thresholds = group.launch_thresholds().get(spec.name)
+        self.launch: LaunchPolicy = ThresholdLaunch(thresholds) if thresholds else EagerLaunch()
+        self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name))
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here
@@ -116,6 +119,8 @@ class Subserver:
         elif isinstance(msg, Abort):
             self.aborted[msg.rid] = time.monotonic()
             self._drop(msg.rid)
+        elif isinstance(msg, Active):
+            self.launch.group_active = msg.n
         elif isinstance(msg, Topology):
             for name, address in msg.addresses.items():
                 if name != self.name and name not in self.to_peer:
