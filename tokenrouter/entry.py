@@ -10,6 +10,7 @@ the server both drive this class.
 from __future__ import annotations
 
 import atexit
+import logging
 import dataclasses
 import math
 import multiprocessing as mp
@@ -21,6 +22,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import msgspec
 import zmq
 
 from tokenrouter.group_config import GroupConfig
@@ -34,13 +36,17 @@ from tokenrouter.subserver import subserver_main
 from tokenrouter.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
+logger = logging.getLogger(__name__)
+
+
 class SubserverDied(RuntimeError):
     """A subserver process exited or failed; the group cannot go on."""
 
 
 @dataclass(eq=False)
 class EntryReq:
-    rid: str
+    rid: str  # the caller's id
+    wire: str  # the id on the wire: unique per admission, so a reused rid never meets stale messages
     prompt_ids: list[int]
     params: SamplingParams  # as the client sent them (stop strings included)
     seed: int
@@ -109,7 +115,9 @@ class Entry:
         self.outbox: dict[str, zmq.Socket] = {}  # connected as each subserver reports its address
         self.procs: dict[str, Any] = {}
         self.info: dict[str, Ready] = {}
-        self.reqs: dict[str, EntryReq] = {}
+        self.reqs: dict[str, EntryReq] = {}  # by caller's rid
+        self._by_wire: dict[str, EntryReq] = {}
+        self._wire_seq = 0
         self.queue: list[EntryReq] = []
         self.reserved = {n: 0 for n in group.names}
         self._next_rid = 0
@@ -178,9 +186,13 @@ class Entry:
         if self.inbox.poll(int(timeout * 1000)):
             while True:
                 try:
-                    msgs.append(decode(self.inbox.recv(zmq.NOBLOCK)))
+                    data = self.inbox.recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                try:
+                    msgs.append(decode(data))
+                except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the entry
+                    logger.warning("entry: dropped an undecodable message (%d bytes): %s", len(data), e)
         return msgs
 
     def _send(self, model: str, msg: Any) -> None:
@@ -218,10 +230,12 @@ class Entry:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        req = EntryReq(rid, list(prompt_ids), params, seed, max_tokens, reserve)
+        self._wire_seq += 1
+        req = EntryReq(rid, f"{rid}#{self._wire_seq}", list(prompt_ids), params, seed, max_tokens, reserve)
         if params.stop or self.detokenize:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self.reqs[rid] = req
+        self._by_wire[req.wire] = req
         self.queue.append(req)
         self._admit()
         return req
@@ -251,7 +265,7 @@ class Entry:
             req.admitted = True
             # Stop strings stay here; the models see the capped max_tokens.
             sub = dataclasses.replace(req.params, stop=[], max_tokens=req.max_tokens)
-            self._send(self.algorithm.entry_model, AddReq(req.rid, req.prompt_ids, sub, req.seed))
+            self._send(self.algorithm.entry_model, AddReq(req.wire, req.prompt_ids, sub, req.seed))
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -261,9 +275,11 @@ class Entry:
 
     def end_with_error(self, rid: str, message: str) -> EntryReq | None:
         req = self.reqs.get(rid)
-        if req is not None:
-            req.error = message
-            self._end(req, "error")
+        return self._end_with_error(req, message) if req is not None else None
+
+    def _end_with_error(self, req: EntryReq, message: str) -> EntryReq:
+        req.error = message
+        self._end(req, "error")
         return req
 
     def _end(self, req: EntryReq, reason: str, stop: int | str | None = None) -> None:
@@ -273,12 +289,13 @@ class Entry:
         if req.detok is not None and req.text is None:
             req.text = req.detok.text
         self.reqs.pop(req.rid, None)
+        self._by_wire.pop(req.wire, None)
         if req.admitted:
             for n, t in req.reserve.items():
                 self.reserved[n] -= t
             if req.final is None:
                 for name in self.group.names:
-                    self._send(name, Abort(req.rid))
+                    self._send(name, Abort(req.wire))
         elif req in self.queue:
             self.queue.remove(req)
         self._admit()
@@ -295,20 +312,21 @@ class Entry:
         for msg in self._recv(timeout):
             if isinstance(msg, Tokens):
                 for item in msg.items:
-                    req = self.reqs.get(item.rid)
+                    req = self._by_wire.get(item.rid)
                     if req is not None and item.pos >= req.next_pos:
                         req.buffer[item.pos] = (item, msg.model)
                         self._advance(req, events)
             elif isinstance(msg, Finished):
-                req = self.reqs.get(msg.rid)
+                req = self._by_wire.get(msg.rid)
                 if req is not None:
                     req.final = msg
                     self._advance(req, events)
             elif isinstance(msg, ReqError):
                 if msg.rid is None:
                     raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
-                req = self.end_with_error(msg.rid, f"{msg.model}: {msg.message}")
+                req = self._by_wire.get(msg.rid)
                 if req is not None:
+                    self._end_with_error(req, f"{msg.model}: {msg.message}")
                     events.append(EntryEvent("finished", req))
             elif isinstance(msg, Stats):
                 self._stats[msg.model] = msg

@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any
 
+import msgspec
 import zmq
 
 from tokenrouter.engine import Engine
@@ -37,6 +38,9 @@ _ABORT_MEMORY_S = 300.0  # how long an aborted rid is remembered, to drop hand-o
 
 
 class Subserver:
+    """One model's engine behind its sockets. Request ids on the wire are unique per admission (the
+    entry makes them so): an aborted id is remembered, to drop hand-offs of it still in flight."""
+
     def __init__(self, spec: ModelSpec, group: GroupConfig, bind_address: str, entry_address: str,
                  parent_pid: int | None = None) -> None:
         self.name = spec.name
@@ -105,7 +109,12 @@ class Subserver:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(decode(data))
+            try:
+                msg = decode(data)
+            except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
+                logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
+                continue
+            self._handle(msg)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddReq):

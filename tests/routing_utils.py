@@ -1,0 +1,224 @@
+"""Helpers for the routed-runtime tests: a tiny model pair, group configs, routing-draw lookups, and an
+in-process rig that drives two Subservers by hand (no processes) with the test acting as the entry."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.messages import Abort, AddReq, Finished, Peer, Tokens, Topology, decode, encode
+from tokenrouter.req import Req
+from tokenrouter.routing.bernoulli import _STREAM
+from tokenrouter.routing.draws import uniform
+from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.subserver import Subserver
+
+PAGE = 4
+
+
+def build_pair(root: Path) -> dict[str, Path]:
+    """A small and a larger random llama with the same byte-level tokenizer (vocab 320, context 512)."""
+    from tokenrouter.random_model import build_random_model
+
+    return {
+        "small": build_random_model(root / "small", "llama", "tiny", seed=1),
+        "large": build_random_model(root / "large", "llama", "tiny", seed=2, hidden_size=128, num_hidden_layers=3),
+    }
+
+
+def group_dict(paths: dict[str, Path], p: float, kv_tokens: int = 2048, **extra: Any) -> dict[str, Any]:
+    return {
+        "models": [
+            {"name": "small", "path": str(paths["small"]), "kv_cache_tokens": kv_tokens, "page_size": PAGE},
+            {"name": "large", "path": str(paths["large"]), "kv_cache_tokens": kv_tokens, "page_size": PAGE},
+        ],
+        "algorithm": {"name": "bernoulli", "p": p},
+        **extra,
+    }
+
+
+def handoff_draws(seed: int, first: int, count: int, p: float) -> list[bool]:
+    """Whether the bernoulli router hands position first + i to the large model, for i < count."""
+    u = uniform([seed] * count, list(range(first, first + count)), _STREAM)
+    return (u < p).tolist()
+
+
+def find_seed(pattern: list[bool], first: int, p: float, limit: int = 20_000) -> int:
+    """The smallest request seed whose hand-off draws at positions first, first+1, ... match pattern."""
+    for seed in range(limit):
+        if handoff_draws(seed, first, len(pattern), p) == pattern:
+            return seed
+    raise AssertionError(f"no seed below {limit} gives the draws {pattern}")
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout: float = 10.0, pause: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(pause)
+
+
+class Rig:
+    """Two Subservers in this process, driven step by step; the test is the entry.
+
+    Nothing runs unless the test calls drain/step: zmq only carries the bytes. Every wait is bounded.
+    """
+
+    def __init__(self, paths: dict[str, Path], p: float, eos_large: set[int] | None = None, **group_extra: Any):
+        self.dir = tempfile.mkdtemp(prefix="trh-", dir="/tmp")  # ipc paths must stay short
+        tag = uuid.uuid4().hex[:6]
+        self.group = GroupConfig.from_dict(group_dict(paths, p, **group_extra))
+        self.entry_address = f"ipc://{self.dir}/entry-{tag}"
+        self.ctx = zmq.Context()
+        self.entry = self.ctx.socket(zmq.PULL)
+        self.entry.bind(self.entry_address)
+        self.subs: dict[str, Subserver] = {}
+        self.out: dict[str, zmq.Socket] = {}
+        self.msgs: list[Any] = []  # every message the entry received, in arrival order
+        try:
+            for name in self.group.names:
+                bind = f"ipc://{self.dir}/{name}-{tag}"
+                self.subs[name] = Subserver(self.group.spec(name), self.group, bind, self.entry_address)
+            for name, sub in self.subs.items():
+                sock = self.ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(sub.address)
+                self.out[name] = sock
+            # As the entry does once every model is ready: tell each where its peers listen.
+            topology = Topology({n: s.address for n, s in self.subs.items()})
+            for name, sub in self.subs.items():
+                self.send(name, topology)
+                peers = set(self.subs) - {name}
+                self.drain_until(name, lambda sub=sub, peers=peers: set(sub.to_peer) == peers, "topology")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def small(self) -> Subserver:
+        return self.subs["small"]
+
+    @property
+    def large(self) -> Subserver:
+        return self.subs["large"]
+
+    # ---- the test as the entry -----------------------------------------------------------
+    def add(self, rid: str, tokens: list[int], seed: int, **params: Any) -> None:
+        params.setdefault("temperature", 0.0)
+        params.setdefault("ignore_eos", True)
+        self.send("small", AddReq(rid, list(tokens), SamplingParams(**params), seed))
+        self.drain_until("small", lambda: rid in self.small.engine.reqs, f"{rid} added on small")
+
+    def send(self, name: str, msg: Any) -> None:
+        self.out[name].send(encode(msg))
+
+    def abort(self, rid: str) -> None:
+        for name in self.group.names:
+            self.send(name, Abort(rid))
+
+    def collect(self, timeout_ms: int = 0) -> list[Any]:
+        """Entry messages that arrived so far (waits up to timeout_ms for the first one)."""
+        new = []
+        if self.entry.poll(timeout_ms):
+            while True:
+                try:
+                    new.append(decode(self.entry.recv(zmq.NOBLOCK)))
+                except zmq.Again:
+                    break
+        self.msgs.extend(new)
+        return new
+
+    def finished(self, rid: str) -> list[Finished]:
+        return [m for m in self.msgs if isinstance(m, Finished) and m.rid == rid]
+
+    def tokens(self, rid: str) -> list[tuple[str, int, int]]:
+        """(model, position, token) of every token event of rid the entry received."""
+        return [(m.model, e.pos, e.token) for m in self.msgs if isinstance(m, Tokens) for e in m.items if e.rid == rid]
+
+    def wait_entry(self, cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            self.collect(20)
+
+    # ---- driving the subservers ------------------------------------------------------------
+    def drain_until(self, name: str, cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+        sub = self.subs[name]
+        deadline = time.monotonic() + timeout
+        while True:
+            sub._drain(timeout_ms=20)
+            if cond():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what} on {name}")
+
+    def take_inbox(self, name: str, timeout: float = 10.0) -> bytes:
+        """Pull the next raw message off a subserver's inbox without handling it (to hold it in flight)."""
+        sock = self.subs[name].inbox
+        if not sock.poll(int(timeout * 1000)):
+            raise AssertionError(f"no message reached {name} within {timeout} s")
+        return sock.recv()
+
+    def req(self, name: str, rid: str) -> Req | None:
+        return self.subs[name].engine.reqs.get(rid)
+
+    def step(self, name: str) -> None:
+        self.subs[name]._step()
+
+    def pump(self, done: Callable[[], bool], what: str, max_rounds: int = 2000, timeout: float = 30.0) -> None:
+        """Run both subservers (drain, step) until done(); bounded in rounds and time."""
+        deadline = time.monotonic() + timeout
+        for _ in range(max_rounds):
+            self.collect(0)
+            if done():
+                return
+            if time.monotonic() > deadline:
+                break
+            busy = any(s.engine.scheduler.has_work() for s in self.subs.values())
+            for sub in self.subs.values():
+                sub._drain(timeout_ms=0 if busy else 5)
+                if sub.engine.scheduler.has_work():
+                    sub._step()
+        raise AssertionError(f"pump: {what} not reached within {max_rounds} rounds / {timeout} s")
+
+    def settle(self, rounds: int = 5) -> None:
+        """Drain both inboxes a few times (finish notices, aborts) without stepping."""
+        for _ in range(rounds):
+            for sub in self.subs.values():
+                sub._drain(timeout_ms=10)
+        self.collect(0)
+
+    # ---- checks ------------------------------------------------------------------------------
+    def assert_clean(self, name: str) -> None:
+        """No live request and no page held outside the free list and the (unlocked) prefix cache."""
+        eng = self.subs[name].engine
+        eng.check_integrity()
+        assert not eng.reqs, f"{name} still holds {sorted(eng.reqs)}"
+        assert not eng.scheduler.running and not eng.scheduler.waiting, f"{name} scheduler not empty"
+        assert eng.cache.locked_pages == 0, f"{name}: {eng.cache.locked_pages} cache pages still locked"
+        assert eng.pool.num_free + eng.cache.total_pages == eng.pool.num_pages, f"{name}: pages leaked"
+
+    def close(self) -> None:
+        for sub in self.subs.values():
+            sub.engine.close()
+            sub.close()
+        for sock in (self.entry, *self.out.values()):
+            sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def peer_msgs(raw: bytes) -> Peer:
+    msg = decode(raw)
+    assert isinstance(msg, Peer), f"expected a Peer message, got {type(msg).__name__}"
+    return msg
