@@ -61,3 +61,21 @@ def max_logit_diff(hf: torch.nn.Module, reqs: list[Req], logits: Logits) -> floa
 def prompts_of(lengths: list[int], seed: int = 0, vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_exact(hf: dict[str, torch.nn.Module], prompt: list[int], tokens: list[int], models: list[str],
+                tie: float = 1e-5) -> int:
+    """Assert each output token is the greedy choice of the model that wrote it, given the prompt and
+    the preceding output (skipping near ties); return how many positions were checked."""
+    seq = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = {n: m(input_ids=seq).logits[0] for n, m in hf.items() if n in models}
+    checked = 0
+    for j, (tok, writer) in enumerate(zip(tokens, models)):
+        row = logits[writer][len(prompt) + j - 1]
+        top2 = row.topk(2).values
+        if (top2[0] - top2[1]).item() < tie:
+            continue
+        assert tok == int(row.argmax()), f"token {j} ({tok}) is not {writer}'s greedy choice"
+        checked += 1
+    return checked

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import prompts_of
+from engine_utils import check_exact, prompts_of
 
 from tokenrouter import LLM, SamplingParams
 from tokenrouter.routed_llm import RoutedLLM
-
-TIE = 1e-5
-
 
 def group(pair_paths, p: float, transport: str = "ipc") -> dict:
     return {
@@ -30,22 +27,6 @@ def hf_pair(pair_paths):
 
     return {n: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
             for n, path in pair_paths.items()}
-
-
-def check_exact(hf_pair, prompt: list[int], tokens: list[int], models: list[str]) -> int:
-    """Assert each token is its writer's argmax; return how many positions were checked."""
-    seq = torch.tensor([prompt + tokens])
-    with torch.no_grad():
-        logits = {n: m(input_ids=seq).logits[0] for n, m in hf_pair.items() if n in models}
-    checked = 0
-    for j, (tok, writer) in enumerate(zip(tokens, models)):
-        row = logits[writer][len(prompt) + j - 1]
-        top2 = row.topk(2).values
-        if (top2[0] - top2[1]).item() < TIE:
-            continue  # a near tie: either choice is exact
-        assert tok == int(row.argmax()), f"token {j} ({tok}) is not {writer}'s greedy choice"
-        checked += 1
-    return checked
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])

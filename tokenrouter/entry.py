@@ -130,11 +130,24 @@ class Entry:
         try:
             self._start()
             self.tokenizer = load_tokenizer(group.spec(self.algorithm.entry_model).path)
+            self._check_one_vocabulary()
         except BaseException:
             self.close()
             raise
         self.context_len = min(self.info[n].max_model_len for n in self.visit)
         self.vocab_size = min(self.info[n].vocab_size for n in self.visit)
+
+    def _check_one_vocabulary(self) -> None:
+        """Token ids travel between models, so every model a request may visit must share the vocabulary."""
+        vocab = self.tokenizer.get_vocab()
+        for name in self.visit:
+            if name == self.algorithm.entry_model:
+                continue
+            other = load_tokenizer(self.group.spec(name).path).get_vocab()
+            if other != vocab:
+                raise ValueError(
+                    f"models {self.algorithm.entry_model!r} and {name!r} have different vocabularies; "
+                    f"{self.algorithm.name} passes token ids between models, so they must share one tokenizer")
 
     # ---- processes -------------------------------------------------------------------------
     def _start(self) -> None:

@@ -50,6 +50,7 @@ class Subserver:
         thresholds = group.launch_thresholds().get(spec.name)
         self.launch: LaunchPolicy = ThresholdLaunch(thresholds) if thresholds else EagerLaunch()
         self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name))
+        self.algorithm.bind(spec.name, self.engine)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
         self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here

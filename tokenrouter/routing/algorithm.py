@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.req import Req
 from tokenrouter.routing.peer_req import PeerReq
+
+if TYPE_CHECKING:
+    from tokenrouter.engine import Engine
 
 
 class Route(NamedTuple):
@@ -59,6 +62,10 @@ class RoutingAlgorithm(ABC):
 
     def outputs(self, model: str) -> StepOutputSpec:
         return StepOutputSpec()
+
+    def bind(self, model: str, engine: Engine) -> None:
+        """Called once in the subserver of `model` after its engine is built: load routers, check
+        they were trained for this model, take what route needs from the model (e.g. embeddings)."""
 
     @abstractmethod
     def route(self, model: str, step: StepOutput) -> list[Route]: ...

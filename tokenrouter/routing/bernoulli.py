@@ -8,31 +8,25 @@ geometric gaps between hand-offs.
 
 from __future__ import annotations
 
+import torch
+
 from tokenrouter.model_runner import StepOutput
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+from tokenrouter.routing.deferral import DeferToLarge
 from tokenrouter.routing.draws import uniform
 
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 
 
-class Bernoulli(RoutingAlgorithm):
+class Bernoulli(DeferToLarge):
     name = "bernoulli"
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)
-        if len(models) != 2:
-            raise ValueError(f"bernoulli routes between exactly 2 models, got {len(models)}")
         if not 0.0 <= float(p) <= 1.0:
             raise ValueError(f"bernoulli: p must be in [0, 1], got {p}")
         self.p = float(p)
-        self.small, self.large = models
 
-    def route(self, model: str, step: StepOutput) -> list[Route]:
-        if model == self.large:
-            return [Route(self.small, keep=True)] * len(step.reqs)
-        if not step.reqs or self.p == 0.0:
-            return [STAY] * len(step.reqs)
+    def defer(self, step: StepOutput) -> torch.Tensor:
         # The draw is for the position about to be written: len(tokens) before the token is committed.
         u = uniform([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], _STREAM)
-        go = Route(self.large, keep=False)
-        return [go if x else STAY for x in (u < self.p).tolist()]
+        return u < self.p

@@ -1,0 +1,37 @@
+"""Co-LLM: a deferral head on the small model's last hidden state gives P(defer) = sigmoid(z); above
+eta (paper: 0.15) the large model writes that one position."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenrouter.engine import Engine
+from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.routing.deferral import DeferToLarge
+from tokenrouter.routing.routers import LoadedRouter, engine_fingerprint, load_router, router_meta
+
+
+class CoLLM(DeferToLarge):
+    name = "co_llm"
+
+    def __init__(self, models: list[str], router: str, eta: float | None = None) -> None:
+        super().__init__(models)
+        router_meta(router, "co_llm")
+        self.router_path = router
+        self.eta = float(eta) if eta is not None else 0.15
+        if not 0.0 <= self.eta <= 1.0:
+            raise ValueError(f"co_llm: eta must be in [0, 1], got {eta}")
+        self.router: LoadedRouter | None = None
+
+    def outputs(self, model: str) -> StepOutputSpec:
+        return StepOutputSpec(hidden=model == self.small)
+
+    def bind(self, model: str, engine: Engine) -> None:
+        if model == self.small:
+            self.router = load_router(self.router_path, "co_llm")
+            self.router.check_pair("small", engine_fingerprint(engine))
+
+    @torch.inference_mode()
+    def defer(self, step: StepOutput) -> torch.Tensor:
+        assert self.router is not None and step.hidden is not None
+        return torch.sigmoid(self.router.head(step.hidden)) > self.eta

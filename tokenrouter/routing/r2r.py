@@ -1,0 +1,44 @@
+"""R2R: a residual MLP over the small model's last hidden state, the sampled token's embedding and
+its top-k logits scores each token; at or above the threshold (calibrated for about 95% recall of
+divergent tokens, stored with the router) the large model rewrites that one position."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenrouter.engine import Engine
+from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.routing.deferral import DeferToLarge
+from tokenrouter.routing.routers import LoadedRouter, engine_fingerprint, load_router, router_meta
+
+
+class R2R(DeferToLarge):
+    name = "r2r"
+
+    def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
+        super().__init__(models)
+        meta = router_meta(router, "r2r")
+        self.router_path = router
+        self.top_k = int(meta["arch"]["top_k"])
+        self.threshold = float(threshold) if threshold is not None else float(meta["threshold"])
+        self.router: LoadedRouter | None = None
+        self.embed: torch.Tensor | None = None
+
+    def outputs(self, model: str) -> StepOutputSpec:
+        if model == self.small:
+            return StepOutputSpec(hidden=True, top_logits=self.top_k)
+        return StepOutputSpec()
+
+    def bind(self, model: str, engine: Engine) -> None:
+        if model == self.small:
+            self.router = load_router(self.router_path, "r2r")
+            self.router.check_pair("small", engine_fingerprint(engine))
+            self.embed = engine.model.model.embed_tokens.weight  # the small model's own, frozen
+
+    @torch.inference_mode()
+    def defer(self, step: StepOutput) -> torch.Tensor:
+        assert self.router is not None and self.embed is not None
+        assert step.hidden is not None and step.top_logits is not None
+        tokens = torch.tensor(step.token_ids, device=self.embed.device)
+        score = torch.sigmoid(self.router.head(step.hidden, self.embed[tokens], step.top_logits[0]))
+        return score >= self.threshold

@@ -1,0 +1,48 @@
+"""R-Stitch: normalised entropy H / log(V) of the current model's distribution, both ways. On the
+small model H >= tau sends the position to the large model (the small token is dropped); on the
+large model H < tau hands control back (its confident token kept), so the large model writes spans.
+Training-free; paper tau = 0.03."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenrouter.engine import Engine
+from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+
+
+class RStitch(RoutingAlgorithm):
+    name = "r_stitch"
+
+    def __init__(self, models: list[str], tau: float = 0.03) -> None:
+        super().__init__(models)
+        if len(models) != 2:
+            raise ValueError(f"r_stitch routes between exactly 2 models (small, large), got {len(models)}")
+        if not 0.0 <= float(tau) <= 1.0:
+            raise ValueError(f"r_stitch: tau must be in [0, 1], got {tau}")
+        self.tau = float(tau)
+        self.small, self.large = models
+        self.log_vocab: dict[str, float] = {}
+
+    def outputs(self, model: str) -> StepOutputSpec:
+        return StepOutputSpec(entropy=True)
+
+    def bind(self, model: str, engine: Engine) -> None:
+        self.log_vocab[model] = math.log(engine.model_config.vocab_size)
+
+    def normalised_entropy(self, model: str, step: StepOutput) -> torch.Tensor:
+        assert step.entropy is not None
+        return step.entropy / self.log_vocab[model]
+
+    def route(self, model: str, step: StepOutput) -> list[Route]:
+        if not step.reqs:
+            return []
+        h = self.normalised_entropy(model, step)
+        if model == self.small:
+            up = Route(self.large, keep=False)
+            return [up if x else STAY for x in (h >= self.tau).tolist()]
+        down = Route(self.small, keep=True)
+        return [down if x else STAY for x in (h < self.tau).tolist()]

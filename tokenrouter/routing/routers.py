@@ -1,0 +1,168 @@
+"""Router heads (small PyTorch modules over a model's step outputs) and their folders.
+
+A router folder holds `router.safetensors` and `router.json`: the kind, its architecture, the inputs
+it reads (which model, which layer), the calibrated threshold, and the model pair it was trained
+for. Routers read raw hidden states, which mean nothing for another model, so loading checks the
+pair's fingerprints and refuses a mismatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+ROUTER_FORMAT = 1
+
+
+class CiterRouter(nn.Module):
+    """CITER: MLP over the small model's last hidden state -> one logit; sigmoid = confidence that the
+    small model's token is fine (hidden -> 2 hidden -> hidden, batch norm, ReLU, dropout 0.1)."""
+
+    kind = "citer"
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        h = hidden_size
+        self.net = nn.Sequential(
+            nn.Linear(h, 2 * h), nn.BatchNorm1d(2 * h), nn.ReLU(), nn.Dropout(0.1),
+            nn.Linear(2 * h, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Dropout(0.1),
+            nn.Linear(h, 1),
+        )
+
+    def arch(self) -> dict[str, Any]:
+        return {"hidden_size": self.net[0].in_features}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.net(hidden.float()).squeeze(-1)
+
+
+class _ResidualBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class R2RRouter(nn.Module):
+    """R2R: [last hidden state, embedding of the sampled token, projected top-k logits] -> project ->
+    residual MLP blocks (LayerNorm, 4x, GELU, dropout) -> LayerNorm -> one logit (route when
+    sigmoid >= threshold). The token embedding is the small model's own (frozen, not stored here)."""
+
+    kind = "r2r"
+
+    def __init__(self, hidden_size: int, top_k: int = 100, width: int | None = None, blocks: int = 6) -> None:
+        super().__init__()
+        w = width or hidden_size
+        self.top_k, self.hidden_size, self.width, self.blocks = top_k, hidden_size, w, blocks
+        self.logit_proj = nn.Linear(top_k, hidden_size)
+        self.inp = nn.Linear(3 * hidden_size, w)
+        self.body = nn.Sequential(*(_ResidualBlock(w) for _ in range(blocks)))
+        self.norm = nn.LayerNorm(w)
+        self.out = nn.Linear(w, 1)
+
+    def arch(self) -> dict[str, Any]:
+        return {"hidden_size": self.hidden_size, "top_k": self.top_k, "width": self.width, "blocks": self.blocks}
+
+    def forward(self, hidden: torch.Tensor, token_emb: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([hidden.float(), token_emb.float(), self.logit_proj(top_logits.float())], dim=-1)
+        return self.out(self.norm(self.body(self.inp(x)))).squeeze(-1)
+
+
+class DeferralHead(nn.Module):
+    """Co-LLM: one extra 'defer' logit from the small model's last hidden state."""
+
+    kind = "co_llm"
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 1)
+
+    def arch(self) -> dict[str, Any]:
+        return {"hidden_size": self.proj.in_features}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.proj(hidden.float()).squeeze(-1)
+
+
+ROUTER_KINDS: dict[str, type[nn.Module]] = {c.kind: c for c in (CiterRouter, R2RRouter, DeferralHead)}
+
+
+def model_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
+    """Identifies a model's weights cheaply: its shape facts and a sample of its embedding."""
+    facts = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")}
+    h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
+    sample = embed.detach().float().cpu().flatten()[:4096]
+    h.update(sample.numpy().round(4).tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_router(folder: str | Path, head: nn.Module, threshold: float, pair: dict[str, dict[str, Any]],
+                extra: dict[str, Any] | None = None) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()},
+              str(folder / "router.safetensors"))
+    meta = {"format": ROUTER_FORMAT, "kind": head.kind, "arch": head.arch(), "threshold": float(threshold),
+            "inputs": {"model": "small", "layer": "last"}, "pair": pair, **(extra or {})}
+    (folder / "router.json").write_text(json.dumps(meta, indent=2))
+    return folder
+
+
+class LoadedRouter:
+    def __init__(self, head: nn.Module, meta: dict[str, Any]) -> None:
+        self.head = head.eval()
+        self.meta = meta
+        self.threshold = float(meta["threshold"])
+
+    @property
+    def kind(self) -> str:
+        return str(self.meta["kind"])
+
+    def check_pair(self, role: str, fingerprint: str) -> None:
+        """Refuse to run on a model this router was not trained for."""
+        want = self.meta.get("pair", {}).get(role, {}).get("fingerprint")
+        if want is not None and want != fingerprint:
+            raise ValueError(f"this {self.kind} router was trained for another {role} model "
+                             f"(fingerprint {want}, this model {fingerprint}); train one for this pair")
+
+
+def router_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
+    """A router folder's router.json, checked (cheap: the entry calls it to fail fast)."""
+    folder = Path(folder)
+    meta_file = folder / "router.json"
+    if not meta_file.is_file():
+        raise ValueError(f"{str(folder)!r} is not a router folder: it has no router.json")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != ROUTER_FORMAT:
+        raise ValueError(f"{meta_file}: unsupported router format {meta.get('format')!r}")
+    if kind is not None and meta.get("kind") != kind:
+        raise ValueError(f"{folder} holds a {meta.get('kind')!r} router, not a {kind!r} one")
+    return meta
+
+
+def engine_fingerprint(engine: Any) -> str:
+    """The fingerprint of the model an engine serves (see model_fingerprint)."""
+    config = json.loads((Path(engine.cfg.model_path) / "config.json").read_text())
+    return model_fingerprint(config, engine.model.model.embed_tokens.weight)
+
+
+def load_router(folder: str | Path, kind: str | None = None) -> LoadedRouter:
+    folder = Path(folder)
+    meta = router_meta(folder, kind)
+    cls = ROUTER_KINDS.get(meta.get("kind", ""))
+    if cls is None:
+        raise ValueError(f"{folder}: unknown router kind {meta.get('kind')!r}")
+    head = cls(**meta["arch"])
+    head.load_state_dict(load_file(str(folder / "router.safetensors")))
+    return LoadedRouter(head, meta)
