@@ -14,6 +14,7 @@ import torch
 from tokenrouter.attention.backend import make_backend
 from tokenrouter.config import EngineConfig
 from tokenrouter.kv_pool import KVPool, available_memory_bytes
+from tokenrouter.latency_model import LatencyModelRunner
 from tokenrouter.model_loader import load_model
 from tokenrouter.model_runner import ModelRunner, StepOutput, StepOutputSpec
 from tokenrouter.models.config import ModelConfig
@@ -48,22 +49,30 @@ class Engine:
     """
 
     def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
-                 outputs: StepOutputSpec = StepOutputSpec()) -> None:
+                 outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None) -> None:
+        """`latency_runner` replaces the model (the latency-model executor): no weights are loaded and
+        the KV pool only keeps page accounting."""
         self.cfg = cfg
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = cfg.torch_device()
         self.dtype = cfg.torch_dtype(self.device)
         self.model_config = ModelConfig.from_folder(cfg.model_path)
-        self.model = load_model(cfg.model_path, self.dtype, self.device)
+        if latency_runner is not None and outputs != StepOutputSpec():
+            raise ValueError("the latency-model executor computes no hidden states, logits or entropy; "
+                             "use an algorithm that needs none (single, bernoulli, ensemble)")
+        self.model = load_model(cfg.model_path, self.dtype, self.device) if latency_runner is None else None
         self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         mc = self.model_config
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         num_pages = self._kv_pages(mc)
-        self.pool = KVPool(num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                           self.dtype, self.device)
+        if latency_runner is None:
+            self.pool = KVPool(num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                               self.dtype, self.device)
+        else:  # pages are only counted: one float per slot
+            self.pool = KVPool(num_pages, cfg.page_size, 1, 1, 1, torch.float32, torch.device("cpu"))
         context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         if context > self.pool.capacity_tokens:
             logger.warning("context length %d capped to the KV pool's %d tokens", context, self.pool.capacity_tokens)
@@ -73,8 +82,13 @@ class Engine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.page_size, cfg.max_running_requests, cfg.chunked_prefill_size),
             self.pool, self.cache, launch)
-        backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
-        self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs)
+        self.runner: ModelRunner | LatencyModelRunner
+        if latency_runner is not None:
+            self.runner = latency_runner
+        else:
+            assert self.model is not None
+            backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+            self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs)
         self.reqs: dict[str, Req] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(cfg.seed)

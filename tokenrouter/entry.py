@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from tokenrouter.group_config import GroupConfig
+from tokenrouter.latency_model import create_flags
 from tokenrouter.messages import (
     Abort, Active, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology, decode,
     encode,
@@ -126,6 +127,7 @@ class Entry:
         self._backlog: list[EntryEvent] = []
         self._stats: dict[str, Stats] = {}
         self._active_sent = 0
+        self._flags: Any = None
         atexit.register(self.close)
         try:
             self._start()
@@ -153,6 +155,10 @@ class Entry:
     def _start(self) -> None:
         spawn = mp.get_context("spawn")
         group_dict = self.group.to_dict()
+        if self.group.executor.get("mode") == "latency":
+            self._flags = create_flags()  # co-located models' running flags, for interference
+            group_dict["executor"] = {**group_dict["executor"], "flags": self._flags.name,
+                                      "profile": self.group.latency_profile().to_dict()}
         for spec in self.group.models:
             proc = spawn.Process(
                 target=subserver_main, name=f"tokenrouter-{spec.name}",
@@ -429,5 +435,8 @@ class Entry:
         for sock in (self.inbox, *self.outbox.values()):
             sock.close(linger=0)
         self.ctx.term()
+        if self._flags is not None:
+            self._flags.close()
+            self._flags.unlink()
         shutil.rmtree(self._dir, ignore_errors=True)
         atexit.unregister(self.close)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tokenrouter.config import EngineConfig
+from tokenrouter.latency_model import LatencyProfile
 from tokenrouter.launch_policy import Thresholds, check_deadlock_free
 
 
@@ -51,6 +52,9 @@ class GroupConfig:
     transport: str = "ipc"  # "ipc" (one machine) or "tcp"
     # Delayed batching: {"policy": "eager"} or {"policy": "threshold", "thresholds": {model: B or {n: B}}}
     launch: dict[str, Any] = field(default_factory=lambda: {"policy": "eager"})
+    # {"mode": "model"} runs the models; {"mode": "latency", "profile": path or dict} is the
+    # latency-model executor (model folders then give only config and tokenizer, no weights).
+    executor: dict[str, Any] = field(default_factory=lambda: {"mode": "model"})
     startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model
 
     def __post_init__(self) -> None:
@@ -65,6 +69,19 @@ class GroupConfig:
             if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"model name {m.name!r} must be letters, digits, '-' or '_'")
         self.launch_thresholds()  # validates the launch settings
+        mode = self.executor.get("mode", "model")
+        if mode not in ("model", "latency"):
+            raise ValueError(f"executor mode must be 'model' or 'latency', got {mode!r}")
+        if mode == "latency":
+            missing = sorted(set(self.names) - set(self.latency_profile().models))
+            if missing:
+                raise ValueError(f"the latency profile has no step latency for model(s) {', '.join(missing)}")
+
+    def latency_profile(self) -> LatencyProfile:
+        prof = self.executor.get("profile")
+        if prof is None:
+            raise ValueError("the latency executor needs a profile (a path or an inline dict)")
+        return LatencyProfile.from_dict(prof) if isinstance(prof, dict) else LatencyProfile.load(prof)
 
     def launch_thresholds(self) -> dict[str, Thresholds]:
         """Per-model launch thresholds (models not named launch eagerly); checked deadlock free."""

@@ -27,8 +27,10 @@ from tokenrouter.messages import (
     Abort, Active, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology,
     decode, encode,
 )
+from tokenrouter.latency_model import InterferenceClock, LatencyModelRunner
 from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch
 from tokenrouter.model_runner import StepOutput
+from tokenrouter.models.config import ModelConfig
 from tokenrouter.req import Req, ReqStatus
 from tokenrouter.routing import PeerReq, make_algorithm
 
@@ -49,7 +51,17 @@ class Subserver:
         seed = group.seed + group.names.index(spec.name)
         thresholds = group.launch_thresholds().get(spec.name)
         self.launch: LaunchPolicy = ThresholdLaunch(thresholds) if thresholds else EagerLaunch()
-        self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name))
+        self.clock: InterferenceClock | None = None
+        runner = None
+        if group.executor.get("mode") == "latency":
+            profile = group.latency_profile()
+            names = group.names
+            alphas = {names.index(p): a for p, a in profile.interference.get(spec.name, {}).items() if p in names}
+            self.clock = InterferenceClock(names.index(spec.name), alphas, group.executor.get("flags"))
+            cfg = ModelConfig.from_folder(spec.path)
+            runner = LatencyModelRunner(profile.models[spec.name], cfg.vocab_size, set(cfg.eos_token_ids), self.clock)
+        self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name),
+                             latency_runner=runner)
         self.algorithm.bind(spec.name, self.engine)
         self.ctx = zmq.Context()
         self.inbox = self.ctx.socket(zmq.PULL)
@@ -248,6 +260,8 @@ class Subserver:
         )
 
     def close(self) -> None:
+        if self.clock is not None:
+            self.clock.close()
         for sock in (self.inbox, self.to_entry, *self.to_peer.values()):
             sock.close(linger=500)
         self.ctx.term()

@@ -116,7 +116,7 @@ def stationary_distribution(P, start: int = 0) -> np.ndarray:
     if sparse:
         reach = np.sort(breadth_first_order(Ps, start, directed=True, return_predecessors=False))
     else:
-        reach = np.sort(breadth_first_order(sp.csr_matrix(np.asarray(P) > 0), start, directed=True,
+        reach = np.sort(breadth_first_order(sp.csr_matrix((np.asarray(P) > 0).astype(float)), start, directed=True,
                                             return_predecessors=False))
     k = len(reach)
     pi = np.zeros(n)

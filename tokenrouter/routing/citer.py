@@ -3,12 +3,16 @@ is fine; below tau (paper: 0.98) the large model rewrites that one position."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from tokenrouter.engine import Engine
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import DeferToLarge
 from tokenrouter.routing.routers import LoadedRouter, engine_fingerprint, load_router, router_meta
+
+if TYPE_CHECKING:
+    from tokenrouter.engine import Engine
 
 
 class Citer(DeferToLarge):

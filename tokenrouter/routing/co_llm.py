@@ -3,12 +3,16 @@ eta (paper: 0.15) the large model writes that one position."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from tokenrouter.engine import Engine
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import DeferToLarge
 from tokenrouter.routing.routers import LoadedRouter, engine_fingerprint, load_router, router_meta
+
+if TYPE_CHECKING:
+    from tokenrouter.engine import Engine
 
 
 class CoLLM(DeferToLarge):

@@ -6,12 +6,15 @@ Training-free; paper tau = 0.03."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from tokenrouter.engine import Engine
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+
+if TYPE_CHECKING:
+    from tokenrouter.engine import Engine
 
 
 class RStitch(RoutingAlgorithm):

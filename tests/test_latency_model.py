@@ -1,0 +1,89 @@
+"""The latency-model executor: profiles, interference, and the real runtime running on it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tokenrouter import SamplingParams
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.latency_model import InterferenceClock, LatencyProfile, StepLatency, create_flags
+from tokenrouter.routed_llm import RoutedLLM
+
+
+def test_step_latency_forms():
+    lin = StepLatency(base=0.01, per_seq=0.001, per_token=0.0001)
+    assert lin(4, 4) == pytest.approx(0.014)
+    assert lin(2, 102) == pytest.approx(0.012 + 0.01)  # 100 prefill tokens beyond one per request
+    tab = StepLatency.from_dict({"table": [[1, 0.01], [8, 0.02], [16, 0.04]]})
+    assert tab(1, 1) == pytest.approx(0.01)
+    assert tab(4, 4) == pytest.approx(0.01 + 3 / 7 * 0.01)
+    assert tab(32, 32) == pytest.approx(0.08)  # extrapolates the last segment
+    assert StepLatency.from_dict(tab.to_dict()) == tab
+
+
+def test_profile_validation():
+    with pytest.raises(ValueError, match="at least one model"):
+        LatencyProfile.from_dict({"models": {}})
+    with pytest.raises(ValueError, match="interference"):
+        LatencyProfile.from_dict({"models": {"a": {"base": 0.1}}, "interference": {"a": {"b": 2.0}}})
+    with pytest.raises(ValueError, match="no step latency for model"):
+        GroupConfig.from_dict({"models": [{"name": "s", "path": "x"}, {"name": "l", "path": "y"}],
+                               "executor": {"mode": "latency", "profile": {"models": {"s": {"base": 0.01}}}}})
+
+
+def test_interference_stops_progress_while_a_peer_runs():
+    shm = create_flags()
+    try:
+        clock = InterferenceClock(0, {1: 1.0}, shm.name)
+        peer = InterferenceClock(1, {}, shm.name)
+        peer.flags[1] = 1.0  # the peer is in the middle of a step
+        t = threading.Thread(target=clock.work, args=(0.005,))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), "made progress while a fully interfering peer was running"
+        peer.flags[1] = 0.0
+        t.join(5.0)
+        assert not t.is_alive()
+        assert clock.flags[0] == 0.0  # its own flag is cleared after the step
+        clock.close()
+        peer.close()
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def group(path, p: float = 0.3, **extra) -> dict:
+    return {
+        "models": [{"name": "small", "path": str(path), "kv_cache_tokens": 8192, "page_size": 4},
+                   {"name": "large", "path": str(path), "kv_cache_tokens": 8192, "page_size": 4}],
+        "algorithm": {"name": "bernoulli", "p": p},
+        "executor": {"mode": "latency", "profile": {"models": {"small": {"base": 0.001}, "large": {"base": 0.003}},
+                                                    "interference": {"small": {"large": 1.0}}}},
+        **extra,
+    }
+
+
+def test_runtime_on_the_latency_executor(model_paths):
+    params = SamplingParams(max_tokens=30, seed=7)
+    prompts = [[1, 2, 3, i] for i in range(12)]
+    runs = []
+    for launch in ({"policy": "eager"}, {"policy": "threshold", "thresholds": {"large": {4: 3, 12: 5}}}):
+        with RoutedLLM(group(model_paths["llama"], launch=launch)) as llm:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+            stats = llm.entry.stats()
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].token_models) for o in outs])
+        assert all(len(ids) == 30 for ids, _ in runs[-1])  # tokens never hit EOS
+        assert all(s.live_requests == 0 and s.free_pages + s.cached_pages == s.total_pages for s in stats.values())
+        large = sum(models.count("large") for _, models in runs[-1])
+        assert 0 < large < 12 * 30
+    # Tokens and writers are functions of (seed, position): launch timing changes neither.
+    assert runs[0] == runs[1]
+
+
+def test_latency_executor_refuses_algorithms_that_need_model_outputs(model_paths, tmp_path):
+    cfg = group(model_paths["llama"])
+    cfg["algorithm"] = {"name": "r_stitch", "tau": 0.5}
+    with pytest.raises(Exception, match="latency-model executor computes no hidden states"):
+        RoutedLLM(cfg)

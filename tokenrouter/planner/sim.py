@@ -1,0 +1,168 @@
+"""A Monte Carlo simulator of the same two-model system, for what the chain does not cover.
+
+It runs the system of `tokenrouter.planner.chain` event by event in continuous time, with:
+- gaps between hand-offs drawn from a measured histogram (or geometric with p, to check the chain);
+- spans on L drawn from a histogram of span lengths (or geometric with q_L);
+- every S step taking t_S(batch at its start) seconds, every L step t_L(its batch);
+- interference alpha as a rate: while L runs, S's current step progresses at speed 1 - alpha.
+Requests that L returns while S is in the middle of a step join S's next step; S's batch is every
+request at S when its step starts to progress (with alpha = 1: after L's step); L launches (every
+queued request) when idle and at least B are queued.
+
+Gap: the number of tokens S writes for a request between getting it (at start or back from L) and
+handing it to L, so a gap of g is g + 1 S steps, the last one's token dropped. Span: the number of
+tokens L writes before handing the request back (>= 1).
+
+The result is a throughput estimate with a standard error (batch means), not an exact value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenrouter.planner.latency import LatencyLike, as_latency
+
+__all__ = ["SimResult", "simulate", "parse_histogram"]
+
+
+def parse_histogram(h) -> tuple[np.ndarray, np.ndarray]:
+    """(values, probabilities) from {value: count} or [(value, count), ...] or a 'v:c,v:c' string."""
+    if isinstance(h, str):
+        items = [tuple(float(x) for x in t.split(":")) for t in h.split(",") if t.strip()]
+    elif isinstance(h, dict):
+        items = [(float(k), float(v)) for k, v in h.items()]
+    else:
+        items = [(float(a), float(b)) for a, b in h]
+    v = np.array([a for a, _ in items])
+    c = np.array([b for _, b in items])
+    if len(v) == 0 or (c < 0).any() or c.sum() <= 0 or (v < 0).any() or (v != np.round(v)).any():
+        raise ValueError("a histogram needs integer values >= 0 and non-negative counts with a positive sum")
+    return v.astype(np.int64), c / c.sum()
+
+
+@dataclass
+class SimResult:
+    throughput: float  # tokens per second
+    stderr: float  # standard error of the throughput (batch means)
+    s_tokens: int
+    l_tokens: int
+    seconds: float  # simulated time after warm-up
+    s_steps: int
+    l_steps: int
+
+
+def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
+             p: float | None = None, gaps=None, q_l: float = 0.0, spans=None, s_steps: int = 200_000,
+             warmup: float = 0.05, batches: int = 20, seed: int = 0) -> SimResult:
+    """Simulate N = n requests with launch threshold B = b for about `s_steps` S steps.
+
+    Give either p (geometric gaps) or gaps (a histogram {gap tokens: count}); either q_l (geometric
+    spans, 0 = one token) or spans (a histogram {span tokens >= 1: count}).
+    """
+    if (p is None) == (gaps is None):
+        raise ValueError("give exactly one of p and gaps")
+    if not 1 <= b <= n:
+        raise ValueError(f"threshold B must be in 1..N={n}, got {b}")
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
+    rng = np.random.default_rng(seed)
+    big = 1 << 60
+
+    if gaps is not None:
+        gv, gp = parse_histogram(gaps)
+
+        def draw_gap(k: int) -> np.ndarray:
+            return rng.choice(gv, size=k, p=gp) + 1
+    else:
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"p must be in [0, 1], got {p}")
+
+        def draw_gap(k: int) -> np.ndarray:
+            return rng.geometric(p, size=k) if p > 0 else np.full(k, big)
+    if spans is not None:
+        sv, spp = parse_histogram(spans)
+        if (sv < 1).any():
+            raise ValueError("spans are >= 1 token")
+
+        def draw_span() -> int:
+            return int(rng.choice(sv, p=spp))
+    else:
+        if not 0.0 <= q_l < 1.0:
+            raise ValueError(f"q_L must be in [0, 1), got {q_l}")
+
+        def draw_span() -> int:
+            return int(rng.geometric(1.0 - q_l)) if q_l > 0 else 1
+
+    s_left = draw_gap(n).astype(np.int64)  # S steps left before the hand-off, per request
+    l_left = np.zeros(n, dtype=np.int64)  # L tokens left in the current span
+    at_s = np.ones(n, dtype=bool)  # at S (in its batch or waiting for its next step)
+    queue: list[int] = []
+    l_batch: list[int] = []
+    l_rem = 0.0
+    s_batch = None  # S's current step (None: no step in progress); formed when it starts to progress
+    s_rem = 0.0  # seconds of full-speed work left in S's current step
+    t = 0.0
+    warm_steps = int(warmup * s_steps)
+    marks: list[tuple[float, int]] = []  # (time, tokens) at batch boundaries after warm-up
+    per_batch = max(1, (s_steps - warm_steps) // batches)
+    tok_s = tok_l = 0
+    n_s_steps = n_l_steps = 0
+    t0 = tok_s0 = tok_l0 = None
+    eps = 1e-12
+
+    while n_s_steps < s_steps:
+        rate = (1.0 - alpha) if l_batch else 1.0
+        if s_batch is None and rate > 0 and at_s.any():
+            s_batch = np.nonzero(at_s)[0]
+            s_rem = lat_s(len(s_batch))
+        dt_s = s_rem / rate if (s_batch is not None and rate > 0) else math.inf
+        dt_l = l_rem if l_batch else math.inf
+        dt = min(dt_s, dt_l)
+        if dt == math.inf:
+            raise RuntimeError("simulation stalled (no S step and no L step possible)")
+        t += dt
+        if s_batch is not None and rate > 0:
+            s_rem -= dt * rate
+        if l_batch:
+            l_rem -= dt
+        if s_batch is not None and s_rem <= eps * max(1.0, t):
+            s_left[s_batch] -= 1
+            leave = s_batch[s_left[s_batch] <= 0]
+            tok_s += len(s_batch) - len(leave)
+            at_s[leave] = False
+            for i in leave:
+                l_left[i] = draw_span()
+            queue.extend(int(i) for i in leave)
+            s_batch = None
+            n_s_steps += 1
+            if n_s_steps == warm_steps:
+                t0, tok_s0, tok_l0 = t, tok_s, tok_l
+            if n_s_steps > warm_steps and (n_s_steps - warm_steps) % per_batch == 0:
+                marks.append((t, tok_s + tok_l))
+        if l_batch and l_rem <= eps * max(1.0, t):
+            tok_l += len(l_batch)
+            n_l_steps += 1
+            for i in l_batch:
+                l_left[i] -= 1
+                if l_left[i] > 0:
+                    queue.append(i)
+                else:
+                    at_s[i] = True
+                    s_left[i] = draw_gap(1)[0]
+            l_batch = []
+        if not l_batch and len(queue) >= b:
+            l_batch, queue = queue, []
+            l_rem = lat_l(len(l_batch))
+    if t0 is None:
+        raise ValueError("s_steps too small for the warm-up")
+    secs = t - t0
+    thr = (tok_s - tok_s0 + tok_l - tok_l0) / secs
+    pts = [(t0, tok_s0 + tok_l0)] + marks
+    rates = [(b2 - b1) / (t2 - t1) for (t1, b1), (t2, b2) in zip(pts, pts[1:]) if t2 > t1]
+    se = float(np.std(rates, ddof=1) / math.sqrt(len(rates))) if len(rates) > 1 else math.nan
+    return SimResult(throughput=thr, stderr=se, s_tokens=tok_s - tok_s0, l_tokens=tok_l - tok_l0,
+                     seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps)
