@@ -134,6 +134,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Measure step latencies of one model and write (or add to) a latency profile."""
+    import json
+    from pathlib import Path
+
+    from tokenrouter.latency_model import LatencyProfile
+    from tokenrouter.profiler import measure
+
+    lat = measure(args.model_path, tuple(args.batch_sizes), context=args.context, steps=args.steps,
+                  device=args.device, num_threads=args.num_threads, kv_cache_tokens=args.kv_cache_tokens,
+                  page_size=args.page_size)
+    out = Path(args.out)
+    prof = LatencyProfile.load(out) if out.is_file() else None
+    models = dict(prof.models) if prof else {}
+    models[args.name] = lat
+    merged = LatencyProfile(models, prof.interference if prof else {}, prof.notes if prof else args.notes)
+    out.write_text(json.dumps(merged.to_dict(), indent=2))
+    for b, sec in lat.table:
+        print(f"batch {b:4d}: {sec * 1e3:8.2f} ms per decode step")
+    print(f"prefill: {lat.per_token * 1e6:.1f} us per extra token; written to {out} as {args.name!r}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,6 +186,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     sv.add_argument("--log-level", default="info")
     sv.set_defaults(func=cmd_serve)
+
+    pf = sub.add_parser("profile", help="measure a model's step latency into a latency profile (JSON)")
+    add_engine_args(pf)
+    pf.add_argument("--name", required=True, help="the model's name in the profile")
+    pf.add_argument("--out", required=True, help="profile file; an existing one gains or updates this model")
+    pf.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    pf.add_argument("--context", type=int, default=128, help="tokens of context per request while decoding")
+    pf.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
+    pf.add_argument("--notes", default="", help="where the figures come from")
+    pf.set_defaults(func=cmd_profile)
     return parser
 
 
