@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     pf.add_argument("--notes", default="", help="where the figures come from")
     pf.set_defaults(func=cmd_profile)
+
+    from tokenrouter.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
