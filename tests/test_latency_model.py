@@ -87,3 +87,30 @@ def test_latency_executor_refuses_algorithms_that_need_model_outputs(model_paths
     cfg["algorithm"] = {"name": "r_stitch", "tau": 0.5}
     with pytest.raises(Exception, match="latency-model executor computes no hidden states"):
         RoutedLLM(cfg)
+
+
+def test_planner_policy_sets_the_large_models_thresholds(model_paths):
+    cfg = group(model_paths["llama"], p=0.2,
+                launch={"policy": "planner", "alpha": 1.0, "p": 0.2, "n_max": 12})
+    with RoutedLLM(cfg) as llm:
+        planner = llm.entry.planner
+        assert planner is not None and planner.table[12] > 1  # co-located: the large model waits
+        outs = llm.generate(prompt_token_ids=[[1, 2, 3, i] for i in range(12)],
+                            sampling_params=SamplingParams(max_tokens=40, seed=3), use_tqdm=False, timeout=120)
+        assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+        p, q = planner.estimate
+        assert 0.1 < p < 0.3 and q < 0.5  # the measured routing probability is near the router's 0.2
+    with pytest.raises(ValueError, match="two models"):
+        GroupConfig.from_dict({**cfg, "models": cfg["models"] + [{"name": "third", "path": "x"}]})
+
+
+def test_planner_measures_latencies_at_start_up(pair_paths):
+    cfg = {"models": [{"name": "small", "path": str(pair_paths["small"]), "kv_cache_tokens": 4096},
+                      {"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 4096}],
+           "algorithm": {"name": "bernoulli", "p": 0.1}, "launch": {"policy": "planner", "n_max": 8}}
+    with RoutedLLM(cfg) as llm:
+        assert all(r.latency is not None and r.latency["table"] for r in llm.entry.info.values())
+        assert set(llm.entry.planner.table) == set(range(1, 9))
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=5),
+                           use_tqdm=False, timeout=60)
+        assert len(out[0].outputs[0].token_ids) == 5

@@ -10,8 +10,20 @@ import numpy as np
 import pytest
 
 from tokenrouter.planner import (
-    Constant, Linear, Table, as_latency, best_thresholds, full_chain, gaps_to_p, parse_latency, plan, solve,
-    stationary_distribution, throughput, throughput_curve, zero_wait_bound,
+    Constant,
+    Linear,
+    Table,
+    as_latency,
+    best_thresholds,
+    full_chain,
+    gaps_to_p,
+    parse_latency,
+    plan,
+    solve,
+    stationary_distribution,
+    throughput,
+    throughput_curve,
+    zero_wait_bound,
 )
 from tokenrouter.planner.cli import add_plan_parser, main, parse_n
 from tokenrouter.planner.sim import simulate

@@ -10,6 +10,7 @@ from engine_utils import check_exact, prompts_of
 from tokenrouter import LLM, SamplingParams
 from tokenrouter.routed_llm import RoutedLLM
 
+
 def group(pair_paths, p: float, transport: str = "ipc") -> dict:
     return {
         "transport": transport,

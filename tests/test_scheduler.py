@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tokenrouter.kv_pool import KVPool
+from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy
 from tokenrouter.radix_cache import RadixCache
 from tokenrouter.req import Req, ReqStatus
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy
 from tokenrouter.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 

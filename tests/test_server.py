@@ -62,7 +62,7 @@ def test_completion(client):
                                   extra_body={"ignore_eos": True})
     c = r.choices[0]
     assert c.finish_reason == "length" and isinstance(c.text, str)
-    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len("Hello there".encode())
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(b"Hello there")
     routing = r.model_extra["routing"]
     assert sum(routing["tokens_per_model"].values()) == 12
     assert set(routing["tokens_per_model"]) <= {"small", "large"}

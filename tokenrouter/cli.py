@@ -113,7 +113,8 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
         name = os.path.basename(os.path.normpath(path))
     kw = engine_kwargs(args)
     spec = ModelSpec(
-        name=re.sub(r"[^A-Za-z0-9_-]", "-", args.served_model_name or name), path=path, dtype=kw["dtype"], device=kw["device"] if kw["device"] != "auto" else "cpu",
+        name=re.sub(r"[^A-Za-z0-9_-]", "-", args.served_model_name or name), path=path, dtype=kw["dtype"],
+        device=kw["device"] if kw["device"] != "auto" else "cpu",
         threads=args.num_threads, page_size=args.page_size, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, kv_cache_tokens=args.kv_cache_tokens,
         mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,

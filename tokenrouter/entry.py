@@ -10,8 +10,8 @@ the server both drive this class.
 from __future__ import annotations
 
 import atexit
-import logging
 import dataclasses
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -26,16 +26,29 @@ import msgspec
 import zmq
 
 from tokenrouter.group_config import GroupConfig
-from tokenrouter.latency_model import create_flags
+from tokenrouter.latency_model import StepLatency, create_flags
 from tokenrouter.messages import (
-    Abort, Active, AddReq, Finished, Ready, ReqError, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology, decode,
+    Abort,
+    Active,
+    AddReq,
+    Finished,
+    Ready,
+    ReqError,
+    SetThresholds,
+    Shutdown,
+    Stats,
+    StatsQuery,
+    TokenEvent,
+    Tokens,
+    Topology,
+    decode,
     encode,
 )
+from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.subserver import subserver_main
 from tokenrouter.tokenizer import IncrementalDetokenizer, load_tokenizer
-
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +151,29 @@ class Entry:
             raise
         self.context_len = min(self.info[n].max_model_len for n in self.visit)
         self.vocab_size = min(self.info[n].vocab_size for n in self.visit)
+        self.planner = self._make_planner()
+
+    def _make_planner(self) -> PlannerController | None:
+        """With launch policy "planner": plan the large model's B(n) from step latencies (a profile,
+        or the subservers' start-up measurements) and the routing probability seen online."""
+        launch = self.group.launch
+        if launch.get("policy") != "planner":
+            return None
+        small, large = self.group.names
+        prof = self.group.planner_profile()
+        lat = {}
+        for name in (small, large):
+            if prof is not None:
+                lat[name] = prof.models[name]
+            elif self.info[name].latency is not None:
+                lat[name] = StepLatency.from_dict(self.info[name].latency)
+            else:
+                raise ValueError(f"no step latency for {name!r}: give the planner a profile")
+        n_max = int(launch.get("n_max", min(64, self.group.spec(small).max_running_requests)))
+        ctl = PlannerController(small, large, lambda b: lat[small](b, b), lambda b: lat[large](b, b),
+                                float(launch.get("alpha", 0.0)), n_max, p0=float(launch.get("p", 0.1)))
+        self._send(large, SetThresholds(ctl.table))
+        return ctl
 
     def _check_one_vocabulary(self) -> None:
         """Token ids travel between models, so every model a request may visit must share the vocabulary."""
@@ -350,12 +386,18 @@ class Entry:
             elif isinstance(msg, Stats):
                 self._stats[msg.model] = msg
             # Wake carries nothing: another thread sends it to cut a poll short.
+        if self.planner is not None:
+            table = self.planner.poll()
+            if table is not None:
+                self._send(self.group.names[1], SetThresholds(table))
         self._check_alive()
         return events
 
     def _advance(self, req: EntryReq, events: list[EntryEvent]) -> None:
         while req.next_pos in req.buffer and not req.done:
             item, model = req.buffer.pop(req.next_pos)
+            if self.planner is not None:
+                self.planner.observe(req.models[-1] if req.models else None, model)
             req.output.append(item.token)
             req.models.append(model)
             if item.logprob is not None:
@@ -435,6 +477,8 @@ class Entry:
         for sock in (self.inbox, *self.outbox.values()):
             sock.close(linger=0)
         self.ctx.term()
+        if getattr(self, "planner", None) is not None:
+            self.planner.close()
         if self._flags is not None:
             self._flags.close()
             self._flags.unlink()

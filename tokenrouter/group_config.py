@@ -77,6 +77,16 @@ class GroupConfig:
             if missing:
                 raise ValueError(f"the latency profile has no step latency for model(s) {', '.join(missing)}")
 
+    def planner_profile(self) -> LatencyProfile | None:
+        """The step latencies the planner uses: the launch section's profile, or the latency
+        executor's, or None (then each subserver measures its own at start-up)."""
+        prof = self.launch.get("profile")
+        if prof is not None:
+            return LatencyProfile.from_dict(prof) if isinstance(prof, dict) else LatencyProfile.load(prof)
+        if self.executor.get("mode") == "latency":
+            return self.latency_profile()
+        return None
+
     def latency_profile(self) -> LatencyProfile:
         prof = self.executor.get("profile")
         if prof is None:
@@ -88,8 +98,15 @@ class GroupConfig:
         policy = self.launch.get("policy", "eager")
         if policy == "eager":
             return {}
+        if policy == "planner":
+            if len(self.models) != 2:
+                raise ValueError("the planner launch policy plans for two models (small first, large second)")
+            alpha = float(self.launch.get("alpha", 0.0))
+            if not 0.0 <= alpha <= 1.0:
+                raise ValueError(f"planner alpha (interference) must be in [0, 1], got {alpha}")
+            return {}  # the entry sends the large model its thresholds once it knows the latencies
         if policy != "threshold":
-            raise ValueError(f"launch policy must be 'eager' or 'threshold', got {policy!r}")
+            raise ValueError(f"launch policy must be 'eager', 'threshold' or 'planner', got {policy!r}")
         raw = self.launch.get("thresholds") or {}
         unknown = sorted(set(raw) - set(self.names))
         if unknown:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -37,6 +37,12 @@ class Active(msgspec.Struct, tag="active"):
     """Entry -> every subserver: the group now has n live (admitted, unfinished) requests."""
 
     n: int
+
+
+class SetThresholds(msgspec.Struct, tag="thresholds"):
+    """Entry -> a subserver: launch when B(n) requests are ready (delayed batching), table {n: B}."""
+
+    table: dict[int, int]
 
 
 class Wake(msgspec.Struct, tag="wake"):
@@ -98,6 +104,7 @@ class Ready(msgspec.Struct, tag="ready"):
     page_size: int
     max_model_len: int
     vocab_size: int
+    latency: dict[str, Any] | None = None  # StepLatency measured at start-up, when the planner asked for it
 
 
 class ReqError(msgspec.Struct, tag="error"):
@@ -130,7 +137,8 @@ class Stats(msgspec.Struct, tag="stats"):
     step_buckets: list[int]  # steps per STEP_LATENCY_BUCKETS bound, then the +Inf overflow (not cumulative)
 
 
-Message = Union[AddReq, Abort, Active, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished, Ready, ReqError, Stats]
+Message = Union[AddReq, Abort, Active, SetThresholds, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished,
+                Ready, ReqError, Stats]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

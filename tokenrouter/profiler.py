@@ -13,7 +13,7 @@ import time
 from tqdm import tqdm
 
 from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
+from tokenrouter.engine import Engine, EngineStats
 from tokenrouter.latency_model import StepLatency
 from tokenrouter.sampling_params import SamplingParams
 
@@ -55,12 +55,20 @@ def measure(model_path: str, batches: tuple[int, ...] = DEFAULT_BATCHES, context
     kw: dict[str, object] = {"max_running_requests": max(batches), "chunked_prefill_size": max(2048, prefill[1]),
                              **engine_kwargs}
     engine = Engine(EngineConfig(model_path=model_path, **kw))  # type: ignore[arg-type]
+    return measure_engine(engine, batches, context, steps, prefill)
+
+
+def measure_engine(engine: Engine, batches: tuple[int, ...] = DEFAULT_BATCHES, context: int = 128, steps: int = 10,
+                   prefill: tuple[int, int] = (64, 512), progress: bool = True) -> StepLatency:
+    """Measure on an idle engine (its requests are dropped, its prefix cache and counters reset after)."""
+    batches = tuple(b for b in batches if b <= engine.cfg.max_running_requests) or (1,)
     longest = min(prefill[1], engine.max_model_len - 2)
     prefill = (min(prefill[0], longest // 2), longest)
     _decode_seconds(engine, 1, context, 3)  # warm-up: first allocations are slow
     table = []
-    for b in tqdm(batches, desc="decode steps", unit="batch"):
+    for b in tqdm(batches, desc="decode steps", unit="batch", disable=not progress):
         table.append((b, _decode_seconds(engine, b, context, steps)))
     short, long = (_prefill_seconds(engine, n) for n in prefill)
     per_token = max(0.0, (long - short) / (prefill[1] - prefill[0]))
+    engine.stats = EngineStats()
     return StepLatency(per_token=per_token, table=tuple(table))

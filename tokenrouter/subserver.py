@@ -22,16 +22,31 @@ import zmq
 
 from tokenrouter.engine import Engine
 from tokenrouter.group_config import GroupConfig, ModelSpec
+from tokenrouter.latency_model import InterferenceClock, LatencyModelRunner
+from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
 from tokenrouter.messages import (
     STEP_LATENCY_BUCKETS,
-    Abort, Active, AddReq, Finished, FirstVisit, Peer, ReqError, Ready, Shutdown, Stats, StatsQuery, TokenEvent, Tokens, Topology,
-    decode, encode,
+    Abort,
+    Active,
+    AddReq,
+    Finished,
+    FirstVisit,
+    Peer,
+    Ready,
+    ReqError,
+    SetThresholds,
+    Shutdown,
+    Stats,
+    StatsQuery,
+    TokenEvent,
+    Tokens,
+    Topology,
+    decode,
+    encode,
 )
-from tokenrouter.latency_model import InterferenceClock, LatencyModelRunner
-from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch
 from tokenrouter.model_runner import StepOutput
 from tokenrouter.models.config import ModelConfig
-from tokenrouter.req import Req, ReqStatus
+from tokenrouter.req import Req
 from tokenrouter.routing import PeerReq, make_algorithm
 
 logger = logging.getLogger(__name__)
@@ -51,6 +66,8 @@ class Subserver:
         seed = group.seed + group.names.index(spec.name)
         thresholds = group.launch_thresholds().get(spec.name)
         self.launch: LaunchPolicy = ThresholdLaunch(thresholds) if thresholds else EagerLaunch()
+        planned = group.launch.get("policy") == "planner"
+        self.measure_latency = planned and group.planner_profile() is None
         self.clock: InterferenceClock | None = None
         runner = None
         if group.executor.get("mode") == "latency":
@@ -92,8 +109,13 @@ class Subserver:
     # ---- the loops -------------------------------------------------------------------------
     def run(self) -> None:
         eng = self.engine
+        latency = None
+        if self.measure_latency:
+            from tokenrouter.profiler import measure_engine
+
+            latency = measure_engine(eng, (1, 4, 16), context=64, steps=3, progress=False).to_dict()
         self._send(self.to_entry, Ready(self.name, self.address, os.getpid(), eng.pool.capacity_tokens,
-                                        eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size))
+                                        eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency))
         last_check = time.monotonic()
         while self.running:
             busy = eng.scheduler.has_work()
@@ -143,6 +165,14 @@ class Subserver:
             self._drop(msg.rid)
         elif isinstance(msg, Active):
             self.launch.group_active = msg.n
+        elif isinstance(msg, SetThresholds):
+            if isinstance(self.launch, ThresholdLaunch):
+                self.launch.thresholds = Thresholds(msg.table)
+            else:
+                active = self.launch.group_active
+                self.launch = ThresholdLaunch(Thresholds(msg.table))
+                self.launch.group_active = active
+                self.engine.scheduler.launch = self.launch
         elif isinstance(msg, Topology):
             for name, address in msg.addresses.items():
                 if name != self.name and name not in self.to_peer:

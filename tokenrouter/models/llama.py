@@ -125,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
                     break
             param = params.get(target)
             if param is None:
-                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in this {self.config.architecture} model")
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has no place in this {self.config.architecture} model")
             dest = param.data if bounds is None else param.data[bounds[0]:bounds[1]]
             if dest.shape != tensor.shape:
                 raise ModelLoadError(

@@ -4,8 +4,18 @@ See `tokenrouter.planner.chain` for the model, exactly, and what it does not cov
 """
 
 from tokenrouter.planner.chain import (
-    FullChain, PlanRow, Solution, best_thresholds, full_chain, gaps_to_p, plan, solve,
-    stationary_distribution, throughput, throughput_curve, zero_wait_bound,
+    FullChain,
+    PlanRow,
+    Solution,
+    best_thresholds,
+    full_chain,
+    gaps_to_p,
+    plan,
+    solve,
+    stationary_distribution,
+    throughput,
+    throughput_curve,
+    zero_wait_bound,
 )
 from tokenrouter.planner.latency import Constant, LatencyModel, Linear, Table, as_latency, parse_latency
 

@@ -63,7 +63,7 @@ class RoutingAlgorithm(ABC):
     def outputs(self, model: str) -> StepOutputSpec:
         return StepOutputSpec()
 
-    def bind(self, model: str, engine: Engine) -> None:
+    def bind(self, model: str, engine: Engine) -> None:  # noqa: B027 - an optional hook
         """Called once in the subserver of `model` after its engine is built: load routers, check
         they were trained for this model, take what route needs from the model (e.g. embeddings)."""
 

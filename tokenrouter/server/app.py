@@ -19,7 +19,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import (
-    APIError, ChatCompletionRequest, CompletionRequest, validation_message,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    validation_message,
 )
 
 logger = logging.getLogger(__name__)
