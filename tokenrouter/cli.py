@@ -198,14 +198,19 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--notes", default="", help="where the figures come from")
     pf.set_defaults(func=cmd_profile)
 
+    from tokenrouter.bench.cli import add_bench_parser
     from tokenrouter.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and argv[1:2] not in (["run"], ["plot"], ["-h"], ["--help"]):
+        argv.insert(1, "run")  # `tokenrouter bench ...` means `tokenrouter bench run ...`
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

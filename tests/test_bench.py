@@ -1,0 +1,73 @@
+"""`tokenrouter bench` against a live server (CI-sized), and `bench plot`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from server_utils import ServerProcess
+
+from tokenrouter import cli
+from tokenrouter.bench.loadgen import BenchConfig, RequestResult, summarise
+from tokenrouter.bench.workloads import build_prompts
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, pair_paths):
+    cfg = tmp_path_factory.mktemp("bench") / "group.yaml"
+    cfg.write_text(
+        "name: pair\n"
+        "models:\n"
+        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 8192, page_size: 4}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 8192, page_size: 4}}\n"
+        "algorithm: {name: bernoulli, p: 0.2}\n")
+    srv = ServerProcess(["--config", str(cfg)])
+    yield srv
+    srv.stop()
+
+
+def test_workloads_have_the_papers_shapes():
+    low, cap = build_prompts("reasoning-low", "paper", 4)
+    assert cap == 2048 and all(p.startswith("Solve") for p in low)
+    assert build_prompts("reasoning-high", "paper", 1)[1] == 8192
+    agent, cap = build_prompts("agent", "cpu", 2, seed=1)
+    assert cap == 64 and all(3000 < len(p) < 5000 for p in agent)  # ~1024 tokens at 4 characters each
+    with pytest.raises(ValueError, match="unknown workload"):
+        build_prompts("chess", "cpu", 1)
+
+
+def test_summary_statistics():
+    cfg = BenchConfig(base_url="x", model="m", prompts=["a"], max_tokens=4, num_requests=3)
+    rs = [RequestResult(ok=True, output_tokens=4, ttft=0.1, e2e=0.4, itl=[0.1, 0.1, 0.1],
+                        tokens_per_model={"small": 3, "large": 1}, handoffs=2),
+          RequestResult(ok=True, output_tokens=4, ttft=0.3, e2e=0.6, itl=[0.1, 0.1, 0.1],
+                        tokens_per_model={"small": 4}),
+          RequestResult(ok=False, error="HTTP 500")]
+    s = summarise(cfg, rs, duration=2.0)
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 8)
+    assert s["output_throughput"] == 4.0
+    assert s["ttft_s"]["mean"] == pytest.approx(0.2) and s["per_user_tok_s"]["mean"] == pytest.approx(10.0)
+    assert s["tokens_per_model"] == {"small": 7, "large": 1} and s["handoffs"] == 2
+
+
+def test_bench_run_and_plot(server, tmp_path, capsys):
+    out = tmp_path / "runs.jsonl"
+    rc = cli.main(["bench", "--base-url", server.url, "--model", "pair", "--num-requests", "6", "--concurrency",
+                   "1", "3", "--max-tokens", "8", "--warmup", "1", "--out", str(out), "--save-requests",
+                   "--label", "routed"])
+    assert rc == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["completed"] == 6 and r["failed"] == 0 and r["output_tokens"] == 48
+        assert sum(r["tokens_per_model"].values()) == 48
+        assert r["output_throughput"] > 0 and r["ttft_s"]["p99"] is not None
+        assert len(r["requests"]) == 6
+    rate = tmp_path / "rate.jsonl"
+    assert cli.main(["bench", "--base-url", server.url, "--model", "pair", "--num-requests", "4", "--request-rate",
+                     "20", "--max-tokens", "4", "--warmup", "0", "--out", str(rate)]) == 0
+    assert json.loads(rate.read_text())["completed"] == 4
+    assert cli.main(["bench", "plot", str(out), "--out-dir", str(tmp_path / "plots")]) == 0
+    pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
+    assert pngs == ["latency_cdf.png", "throughput.png"]
+    assert (tmp_path / "plots" / "throughput.png").read_bytes()[:4] == b"\x89PNG"

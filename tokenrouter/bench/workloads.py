@@ -1,0 +1,90 @@
+"""Benchmark workloads shaped like the paper's, from real text that ships in a PyPI package.
+
+CHAMP (champ-dataset, MIT) gives 270 competition-math problems and about 43,700 LLM-written
+solutions. Reasoning workloads ask its problems (prompts of about 100 tokens) with long output caps;
+the agent workload builds long prompts (about 8192 tokens at paper scale) from its solution texts,
+with shorter outputs. Each has a CPU scale of the same shape with smaller caps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    description: str
+    prompt_tokens: dict[str, int | None]  # per scale; None: the problem as it is (about 100 tokens)
+    max_tokens: dict[str, int]  # per scale
+
+
+WORKLOADS = {
+    "reasoning-low": Workload("reasoning-low", "math problems, low-effort reasoning",
+                              {"paper": None, "cpu": None}, {"paper": 2048, "cpu": 128}),
+    "reasoning-high": Workload("reasoning-high", "math problems, high-effort reasoning",
+                               {"paper": None, "cpu": None}, {"paper": 8192, "cpu": 512}),
+    "agent": Workload("agent", "long agent-like contexts from solution transcripts",
+                      {"paper": 8192, "cpu": 1024}, {"paper": 1024, "cpu": 64}),
+}
+
+_INSTRUCTION = "Solve the following problem step by step, and give the final answer at the end.\n\nProblem: "
+
+
+@lru_cache(maxsize=1)
+def _champ() -> dict[str, Any]:
+    spec = importlib.util.find_spec("champ_dataset")  # located, never imported (its package has side effects)
+    if spec is None or spec.origin is None:
+        raise RuntimeError("the benchmark workloads need the champ-dataset package (pip install champ-dataset)")
+    return json.loads((Path(spec.origin).parent / "dataset_files" / "v0.json").read_text())
+
+
+def problems() -> list[str]:
+    return [p["_text"] for p in _champ()["problems"].values()]
+
+
+def solution_texts() -> list[str]:
+    out = []
+    for p in _champ()["problems"].values():
+        for conv in p.get("conversations", {}).values():
+            out.extend(m["text"] for m in conv.get("messages", []) if m.get("role", "").startswith("Model"))
+    return out
+
+
+def build_prompts(workload: str, scale: str, n: int, seed: int = 0, tokenizer: Any = None) -> tuple[list[str], int]:
+    """n prompts and the output cap. With a tokenizer, long prompts are cut to an exact token count;
+    without one, to 4 characters per token."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"unknown workload {workload!r}; available: {', '.join(WORKLOADS)}")
+    if scale not in ("paper", "cpu"):
+        raise ValueError(f"scale must be 'paper' or 'cpu', got {scale!r}")
+    w = WORKLOADS[workload]
+    rng = random.Random(seed)
+    target = w.prompt_tokens[scale]
+    if target is None:
+        pool = problems()
+        rng.shuffle(pool)
+        return [_INSTRUCTION + pool[i % len(pool)] for i in range(n)], w.max_tokens[scale]
+    texts = solution_texts()
+    prompts = []
+    for _ in range(n):
+        parts: list[str] = []
+        length = 0
+        while length < target * 5:  # more than enough characters, cut below
+            t = texts[rng.randrange(len(texts))]
+            parts.append(t)
+            length += len(t)
+        body = "\n\n".join(parts)
+        if tokenizer is not None:
+            ids = tokenizer.encode(body)[:target - 32]
+            body = tokenizer.decode(ids)
+        else:
+            body = body[:(target - 32) * 4]
+        prompts.append("Here is a log of previous attempts:\n\n" + body + "\n\nContinue from where it stops.")
+    return prompts, w.max_tokens[scale]
