@@ -215,3 +215,14 @@ def test_sigterm_drains_and_leaves_no_orphans(pair_paths):
     while any(alive(p) for p in srv.subservers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in srv.subservers)
+
+
+def test_return_token_ids(client):
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0, seed=1,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert len(ids) == 6 and all(isinstance(t, int) for t in ids)
+    streamed = [t for ch in client.completions.create(
+        model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0, seed=1, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True}) for t in ch.choices[0].model_extra["token_ids"]]
+    assert streamed == ids

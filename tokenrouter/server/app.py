@@ -204,18 +204,23 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(request: Request, gen: _Gen, chunk: Any, include_usage: bool) -> AsyncIterator[str]:
-        """SSE: one chunk per token with text, a final chunk with the finish reason, [DONE]."""
+    async def stream_events(request: Request, gen: _Gen, chunk: Any, include_usage: bool,
+                            every_token: bool) -> AsyncIterator[str]:
+        """SSE: a chunk per token that completes text (every token when asked), a final chunk with the
+        finish reason, [DONE]. Every token appears in exactly one chunk."""
+        pending: list[TokenOut] = []  # tokens not yet in a chunk (their text is held back)
         try:
             async for item in gen.events():
                 if isinstance(item, TokenOut):
-                    if item.text or item.logprob is not None:
-                        yield sse(chunk([item], item.text, None))
+                    pending.append(item)
+                    if item.text or every_token:
+                        yield sse(chunk(pending, item.text, None))
+                        pending = []
                 else:
                     if item.finish_reason == "error":
                         yield sse(APIError(500, f"generation failed: {item.error}", type_="internal_error").body())
                         break
-                    yield sse({**chunk([], item.text, finish_reason(item)), "routing": routing(gen)})
+                    yield sse({**chunk(pending, item.text, finish_reason(item)), "routing": routing(gen)})
                     if include_usage:
                         yield sse({**chunk([], "", None), "choices": [], "usage": usage(gen)})
             yield "data: [DONE]\n\n"
@@ -237,13 +242,18 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         want_lp = body.logprobs is not None
 
         def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason,
+                                      "logprobs": completion_logprobs(toks, 0) if want_lp else None}
+            if body.return_token_ids:
+                choice["token_ids"] = [t.token for t in toks]
             return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": [{"index": 0, "text": text, "finish_reason": reason,
-                                 "logprobs": completion_logprobs(toks, 0) if want_lp else None}]}
+                    "choices": [choice]}
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(request, gen, chunk, include), media_type="text/event-stream")
+            every = want_lp or body.return_token_ids
+            return StreamingResponse(stream_events(request, gen, chunk, include, every),
+                                     media_type="text/event-stream")
         await run_to_end(request, gen)
         assert gen.done is not None
         out = chunk(gen.tokens, gen.text, finish_reason(gen.done))
@@ -278,7 +288,8 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(request, gen, chunk, include), media_type="text/event-stream")
+            return StreamingResponse(stream_events(request, gen, chunk, include, logprobs is not None),
+                                     media_type="text/event-stream")
         await run_to_end(request, gen)
         assert gen.done is not None
         return JSONResponse({

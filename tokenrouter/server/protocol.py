@@ -75,6 +75,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    return_token_ids: bool = False  # extension (as vLLM): the choice carries its token ids
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
