@@ -1,0 +1,1 @@
+"""Baselines the routed runtime is measured against (step-synchronous, standard serving)."""

@@ -1,0 +1,60 @@
+"""Closed-loop load on a routed group without HTTP: the Entry driven directly, for scheduling
+benchmarks (the ablation, the planner check) where the HTTP layer would only add noise."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+from tokenrouter.entry import Entry, EntryReq
+from tokenrouter.sampling_params import SamplingParams
+
+
+@dataclass
+class OfflineResult:
+    output_tokens: int
+    wall_seconds: float
+    latencies: list[float]
+    per_user: list[float]
+    tokens_per_model: dict[str, int]
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.wall_seconds if self.wall_seconds else 0.0
+
+    @property
+    def mean_per_user(self) -> float:
+        return statistics.fmean(self.per_user) if self.per_user else 0.0
+
+
+def run_closed_loop(entry: Entry, prompts: list[list[int]], params: SamplingParams, concurrency: int,
+                    seed: int = 0, timeout: float = 3600.0) -> OfflineResult:
+    """Keep `concurrency` requests in flight until every prompt is done (request i uses seed + i)."""
+    todo = list(enumerate(prompts))
+    live: dict[str, tuple[EntryReq, float]] = {}
+    done: list[tuple[EntryReq, float]] = []
+    start = time.perf_counter()
+    while todo or live:
+        while todo and len(live) < concurrency:
+            i, ids = todo.pop(0)
+            p = SamplingParams(**{**params.__dict__, "seed": seed + i})
+            req = entry.add(ids, p)
+            live[req.rid] = (req, time.perf_counter())
+        for ev in entry.poll(0.01):
+            if ev.kind == "finished" and ev.req.rid in live:
+                req, t0 = live.pop(ev.req.rid)
+                if req.error is not None:
+                    raise RuntimeError(f"request failed: {req.error}")
+                done.append((req, time.perf_counter() - t0))
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError("closed-loop run did not finish")
+    wall = time.perf_counter() - start
+    per_model: dict[str, int] = {}
+    for req, _ in done:
+        for m in req.models:
+            per_model[m] = per_model.get(m, 0) + 1
+    return OfflineResult(
+        output_tokens=sum(len(r.output) for r, _ in done), wall_seconds=wall,
+        latencies=[lat for _, lat in done], per_user=[len(r.output) / lat for r, lat in done if lat > 0],
+        tokens_per_model=per_model)
