@@ -73,7 +73,9 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     profile = LatencyProfile.load(args.profile)
-    alpha = args.interference if args.interference is not None else profile.interference.get("small", {}).get("large", 0.0)
+    alpha = args.interference
+    if alpha is None:
+        alpha = profile.interference.get("small", {}).get("large", 0.0)
     prof_dict = profile.to_dict()
     lat_s = lambda b: profile.models["small"](b, b)  # noqa: E731
     lat_l = lambda b: profile.models["large"](b, b)  # noqa: E731
@@ -110,8 +112,8 @@ def main() -> int:
                             alpha, prompts, params)
             measured.append(res.throughput)
             err = (predicted[b - 1] - res.throughput) / res.throughput
-            print(f"  B={b:3d}: predicted {predicted[b - 1]:8.1f}  measured {res.throughput:8.1f}  error {100 * err:+.1f}%",
-                  flush=True)
+            print(f"  B={b:3d}: predicted {predicted[b - 1]:8.1f}  measured {res.throughput:8.1f}  "
+                  f"error {100 * err:+.1f}%", flush=True)
             rows.append({"system": "check", "n": n, "p": p, "alpha": alpha, "B": b,
                          "predicted": float(predicted[b - 1]), "measured": res.throughput})
         best_meas = max(range(n), key=lambda i: measured[i]) + 1

@@ -101,7 +101,7 @@ def run_step_sync(small: Engine, large: Engine, router: DeferToLarge, prompts: l
                 res.latencies.append(lat)
                 res.per_user.append(n / lat if lat > 0 else 0.0)
     res.wall_seconds = time.perf_counter() - start
-    for rid, writers in res.writers.items():
+    for writers in res.writers.values():
         res.output_tokens += len(writers)
         for w in writers:
             res.tokens_per_model[w] += 1
