@@ -200,9 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tokenrouter.bench.cli import add_bench_parser
     from tokenrouter.planner.cli import add_plan_parser
+    from tokenrouter.training.cli import add_train_router_parser
 
     add_plan_parser(sub)
     add_bench_parser(sub)
+    add_train_router_parser(sub)
     return parser
 
 

@@ -102,8 +102,9 @@ def model_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
     """Identifies a model's weights cheaply: its shape facts and a sample of its embedding."""
     facts = {k: config.get(k) for k in ("architectures", "hidden_size", "num_hidden_layers", "vocab_size")}
     h = hashlib.sha256(json.dumps(facts, sort_keys=True).encode())
-    sample = embed.detach().float().cpu().flatten()[:4096]
-    h.update(sample.numpy().round(4).tobytes())
+    # Rounded through bfloat16, so the same weights served in float32 or bfloat16 agree.
+    sample = embed.detach().cpu().flatten()[:4096].to(torch.bfloat16).float()
+    h.update(sample.numpy().tobytes())
     return h.hexdigest()[:16]
 
 

@@ -3,7 +3,7 @@ head, calibrate its threshold on held-out sequences, save a router folder (see d
 
 from tokenrouter.training.calibrate import Calibration, auc, calibrate, evaluate
 from tokenrouter.training.labels import Features, build_features, read_corpus
-from tokenrouter.training.train import TrainSettings, TrainedHead, train_head, train_router
+from tokenrouter.training.train import TrainedHead, TrainSettings, train_head, train_router
 
 __all__ = ["Calibration", "Features", "TrainSettings", "TrainedHead", "auc", "build_features", "calibrate",
            "evaluate", "read_corpus", "train_head", "train_router"]

@@ -65,9 +65,6 @@ def add_train_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16", "float16"],
                    help="the models' dtype while labelling (heads always train in float32)")
-    g.add_argument("--serve-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="the dtype the pair will be served in (the pair fingerprints depend on it; "
-                        "default: --dtype; `auto` serving means float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--num-threads", type=int, default=1, help="torch threads on CPU (default 1)")
     g.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -83,7 +80,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         full_finetune=args.full_finetune, finetune_epochs=args.finetune_epochs, finetune_lr=args.finetune_lr,
         finetune_batch_size=args.finetune_batch_size, target_recall=args.target_recall,
         target_share=args.target_large_share, device=args.device, dtype=args.dtype,
-        serve_dtype=args.serve_dtype, progress=not args.quiet,
+        progress=not args.quiet,
     )
 
 

@@ -19,6 +19,7 @@ Labels (1 = this position should go to the large model):
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -116,6 +117,7 @@ class Features:
     label: torch.Tensor  # [N] float32
     seq: torch.Tensor  # [N] long
     token: torch.Tensor | None = None  # [N] long: the small model's greedy token
+    large_token: torch.Tensor | None = None  # [N] long: the large model's greedy token
     top_logits: torch.Tensor | None = None  # [N, K] float32, descending
     embed: torch.Tensor | None = None  # [V, H]
     lp_small: torch.Tensor | None = None  # [N] log p_small(x_{t+1})
@@ -178,17 +180,23 @@ def teacher_force(small: Any, large: Any, seqs: Sequence[Sequence[int]], top_k: 
     return cat
 
 
+def _cache_kw(model: Any) -> str:
+    """transformers renamed `past_key_values` to `cache` (5.x); use whichever this version takes."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 @torch.no_grad()
 def greedy_continue(model: Any, ids: torch.Tensor, steps: int) -> torch.Tensor:
     """The model's greedy continuation of each row (all rows the same length) for `steps` tokens,
     EOS ignored, with a KV cache: one prefill, then steps-1 one-token decodes."""
+    kw = _cache_kw(model)
     out = model(input_ids=ids, use_cache=True)
-    cache = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1)
     toks = [nxt]
     for _ in range(steps - 1):
-        out = model(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        cache = getattr(out, kw, None)
+        out = model(input_ids=nxt[:, None], use_cache=True, **{kw: cache})
         nxt = out.logits[:, -1].argmax(-1)
         toks.append(nxt)
     return torch.stack(toks, 1)
@@ -252,6 +260,7 @@ def build_features(kind: str, small: Any, large: Any, seqs: Sequence[Sequence[in
         stats["continuation"] = continuation
     embed = small.get_input_embeddings().weight.detach().float().cpu() if kind == "r2r" else None
     return Features(hidden=tf["hidden"], label=label, seq=tf["seq"], token=tf["small_tok"],
+                    large_token=tf["large_tok"],
                     top_logits=tf["top_logits"] if kind == "r2r" else None, embed=embed,
                     lp_small=tf["lp_small"], lp_large=tf["lp_large"], differs=differs, pos=tf["pos"],
                     stats=stats)

@@ -75,7 +75,6 @@ class TrainSettings:
     # runtime
     device: str = "auto"
     dtype: str = "float32"
-    serve_dtype: str | None = None  # dtype the pair will be served in (fingerprints); default: dtype
     progress: bool = True
 
     def validate(self) -> None:
@@ -89,10 +88,8 @@ class TrainSettings:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.patience < 1 or self.init_epochs < 0 or self.finetune_epochs < 0:
             raise ValueError("patience must be >= 1, init_epochs and finetune_epochs >= 0")
-        for name in ("dtype", "serve_dtype"):
-            v = getattr(self, name)
-            if v is not None and v not in DTYPES:
-                raise ValueError(f"{name} must be one of {', '.join(DTYPES)}, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 def make_settings(settings: TrainSettings | None = None, **kw: Any) -> TrainSettings:
@@ -118,13 +115,21 @@ def make_head(kind: str, hidden_size: int, top_k: int = 100, width: int | None =
     raise ValueError(f"unknown router kind {kind!r}: {', '.join(KINDS)}")
 
 
-def head_inputs(kind: str, feats: Features, idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def head_inputs(kind: str, feats: Features, idx: torch.Tensor,
+                device: torch.device | None = None) -> tuple[torch.Tensor, ...]:
+    """The head's inputs for positions idx (features stay on the CPU; the batch moves to `device`)."""
     h = feats.hidden[idx]
     if kind == "r2r":
         if feats.embed is None or feats.token is None or feats.top_logits is None:
             raise ValueError("r2r features need embed, token and top_logits")
-        return h, feats.embed[feats.token[idx]], feats.top_logits[idx]
-    return (h,)
+        out: tuple[torch.Tensor, ...] = (h, feats.embed[feats.token[idx]], feats.top_logits[idx])
+    else:
+        out = (h,)
+    return tuple(t.to(device) for t in out) if device is not None else out
+
+
+def _device_of(head: nn.Module) -> torch.device:
+    return next(head.parameters()).device
 
 
 @torch.no_grad()
@@ -133,7 +138,8 @@ def head_scores(kind: str, head: nn.Module, feats: Features, idx: torch.Tensor |
     """sigmoid(head(...)) in eval mode, float32: the number the serving code compares to its threshold."""
     idx = torch.arange(len(feats)) if idx is None else idx
     head.eval()
-    out = [torch.sigmoid(head(*head_inputs(kind, feats, idx[i:i + batch_size])).float())
+    dev = _device_of(head)
+    out = [torch.sigmoid(head(*head_inputs(kind, feats, idx[i:i + batch_size], dev)).float()).cpu()
            for i in range(0, idx.numel(), batch_size)]
     return torch.cat(out) if out else torch.zeros(0)
 
@@ -170,21 +176,25 @@ LossFn = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 def _loss_fn(kind: str, feats: Features, objective: str, pos_weight: float) -> LossFn:
     """objective: 'bce' (the kind's labels), 'weak' (Co-LLM's weak labels) or 'mixture' (Co-LLM)."""
     def bce(head: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        z = head(*head_inputs(kind, feats, idx))
-        positive = feats.label[idx]
+        dev = _device_of(head)
+        z = head(*head_inputs(kind, feats, idx, dev))
+        positive = feats.label[idx].to(dev)
         target = 1.0 - positive if kind == "citer" else positive  # CITER predicts "small token is fine"
         return _weighted_bce(z, target, positive, pos_weight)
 
     def weak(head: nn.Module, idx: torch.Tensor) -> torch.Tensor:
         assert feats.differs is not None
-        z = head(*head_inputs(kind, feats, idx))
-        return _weighted_bce(z, feats.differs[idx], feats.differs[idx], pos_weight)
+        dev = _device_of(head)
+        z = head(*head_inputs(kind, feats, idx, dev))
+        weak_labels = feats.differs[idx].to(dev)
+        return _weighted_bce(z, weak_labels, weak_labels, pos_weight)
 
     def mixture(head: nn.Module, idx: torch.Tensor) -> torch.Tensor:
         if feats.lp_small is None or feats.lp_large is None:
             raise ValueError("co_llm features need lp_small and lp_large")
-        z = head(*head_inputs(kind, feats, idx))
-        return mixture_nll(z, feats.lp_small[idx], feats.lp_large[idx]).mean()
+        dev = _device_of(head)
+        z = head(*head_inputs(kind, feats, idx, dev))
+        return mixture_nll(z, feats.lp_small[idx].to(dev), feats.lp_large[idx].to(dev)).mean()
 
     return {"bce": bce, "weak": weak, "mixture": mixture}[objective]
 
@@ -204,13 +214,13 @@ def _eval_loss(head: nn.Module, loss: LossFn, idx: torch.Tensor, batch_size: int
 
 
 def fit(head: nn.Module, loss: LossFn, train_idx: torch.Tensor, held_idx: torch.Tensor, s: TrainSettings,
-        gen: torch.Generator, epochs: int, early_stopping: bool = True, desc: str = "train") -> list[dict[str, float]]:
+        gen: torch.Generator, epochs: int, early_stopping: bool = True, desc: str = "train") -> list[dict[str, Any]]:
     """AdamW over shuffled mini-batches; with early stopping, the state with the lowest held-out loss
     is restored at the end. Returns one record per epoch."""
     opt = torch.optim.AdamW(head.parameters(), lr=s.lr, weight_decay=s.weight_decay)
     bn = _has_batchnorm(head)
     best, best_state, bad = math.inf, copy.deepcopy(head.state_dict()), 0
-    history: list[dict[str, float]] = []
+    history: list[dict[str, Any]] = []
     with tqdm(range(epochs), desc=desc, unit="epoch", disable=not s.progress) as bar:
         for epoch in bar:
             head.train()
@@ -224,7 +234,7 @@ def fit(head: nn.Module, loss: LossFn, train_idx: torch.Tensor, held_idx: torch.
                 opt.zero_grad(set_to_none=True)
                 value.backward()
                 opt.step()
-                tot += float(value) * b.numel()
+                tot += float(value.detach()) * b.numel()
                 n += b.numel()
             held = _eval_loss(head, loss, held_idx, 4096)
             history.append({"epoch": epoch + 1, "train_loss": tot / max(1, n), "held_out_loss": held})
@@ -248,7 +258,7 @@ class TrainedHead:
     head: nn.Module
     calibration: Calibration
     metrics: dict[str, Any]
-    history: list[dict[str, float]]
+    history: list[dict[str, Any]]
     train_idx: torch.Tensor
     held_idx: torch.Tensor
     scores: torch.Tensor = field(repr=False, default_factory=lambda: torch.zeros(0))  # held-out scores
@@ -293,36 +303,38 @@ def train_head(kind: str, feats: Features, settings: TrainSettings | None = None
     top_k = feats.top_logits.shape[1] if feats.top_logits is not None else s.top_k
     torch.manual_seed(s.seed)
     head = make_head(kind, feats.hidden.shape[1], top_k=top_k, width=s.width, blocks=s.blocks)
+    head.to(resolve_device(s.device))
     gen = torch.Generator().manual_seed(s.seed + 1)
-    history: list[dict[str, float]] = []
+    history: list[dict[str, Any]] = []
     if kind == "co_llm":
         if s.init_epochs:
             if feats.differs is None:
                 raise ValueError("co_llm features need the weak labels (differs)")
             weak = fit(head, _loss_fn(kind, feats, "weak", s.pos_weight), train_idx, held_idx, s, gen,
                        s.init_epochs, early_stopping=False, desc="weak-label init")
-            history += [{**h, "phase": "weak"} for h in weak]  # type: ignore[dict-item]
+            history += [{**h, "phase": "weak"} for h in weak]
         main = fit(head, _loss_fn(kind, feats, "mixture", s.pos_weight), train_idx, held_idx, s, gen,
                    s.epochs, desc="mixture loss")
-        history += [{**h, "phase": "mixture"} for h in main]  # type: ignore[dict-item]
+        history += [{**h, "phase": "mixture"} for h in main]
     else:
-        history = fit(head, _loss_fn(kind, feats, "bce", s.pos_weight), train_idx, held_idx, s, gen,
-                      s.epochs, desc=f"train {kind}")
-    return finish_head(kind, head, feats, train_idx, held_idx, s, history)
+        main = fit(head, _loss_fn(kind, feats, "bce", s.pos_weight), train_idx, held_idx, s, gen,
+                   s.epochs, desc=f"train {kind}")
+        history = [{**h, "phase": "bce"} for h in main]
+    return finish_head(kind, head.cpu(), feats, train_idx, held_idx, s, history)
 
 
 def finish_head(kind: str, head: nn.Module, feats: Features, train_idx: torch.Tensor, held_idx: torch.Tensor,
-                s: TrainSettings, history: list[dict[str, float]]) -> TrainedHead:
+                s: TrainSettings, history: list[dict[str, Any]]) -> TrainedHead:
     scores = head_scores(kind, head, feats, held_idx)
     labels = feats.label[held_idx]
     cal = calibrate(scores, labels, target_recall=s.target_recall, target_share=s.target_share,
                     rule=RULE_OF_KIND[kind])
     metrics = held_out_metrics(kind, scores, labels, cal)
     metrics["train_positions"] = int(train_idx.numel())
-    metrics["epochs_run"] = len(history)
+    metrics["epochs_run"] = sum(1 for h in history if h.get("epoch", 1) >= 1)
     if kind == "co_llm" and feats.lp_small is not None and feats.lp_large is not None:
         with torch.no_grad():
-            z = head(*head_inputs(kind, feats, held_idx))
+            z = head(*head_inputs(kind, feats, held_idx, _device_of(head))).cpu()
             metrics["nll_small"] = float(-feats.lp_small[held_idx].mean())
             metrics["nll_large"] = float(-feats.lp_large[held_idx].mean())
             metrics["nll_mixture"] = float(mixture_nll(z, feats.lp_small[held_idx], feats.lp_large[held_idx]).mean())
@@ -341,10 +353,11 @@ def _seq_slices(feats: Features, n_seqs: int) -> list[slice]:
 
 def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[int]], feats: Features,
                     train_idx: torch.Tensor, held_idx: torch.Tensor, s: TrainSettings,
-                    device: torch.device) -> tuple[Features, list[dict[str, float]]]:
+                    device: torch.device) -> tuple[Features, list[dict[str, Any]]]:
     """Fine-tune the whole small model and the deferral head on the mixture likelihood (the large
     model's log-probabilities stay the precomputed ones), early-stopped on the held-out sequences.
-    Returns features recomputed with the fine-tuned model (hidden states, p_small) and the history."""
+    Returns features recomputed with the fine-tuned model (hidden states, greedy tokens, p_small, and
+    the weak labels against the large model's greedy tokens) and the history."""
     from tokenrouter.training.labels import _by_length, _decoder
 
     assert feats.lp_large is not None
@@ -373,11 +386,14 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
         with torch.no_grad():
             for b in _by_length([seqs[i] for i in held_seqs], s.finetune_batch_size):
                 value, count = batch_loss([held_seqs[j] for j in b])
-                tot, n = tot + float(value) * count, n + count
+                tot, n = tot + float(value.detach()) * count, n + count
         return tot / max(1, n)
 
-    best, best_small, best_head, bad = held_loss(), copy.deepcopy(small.state_dict()), copy.deepcopy(head.state_dict()), 0
-    history: list[dict[str, float]] = [{"epoch": 0, "held_out_loss": best, "phase": "finetune"}]  # type: ignore[dict-item]
+    def snapshot() -> tuple[dict[str, Any], dict[str, Any]]:
+        return copy.deepcopy(small.state_dict()), copy.deepcopy(head.state_dict())
+
+    best, (best_small, best_head), bad = held_loss(), snapshot(), 0
+    history: list[dict[str, Any]] = [{"epoch": 0, "held_out_loss": best, "phase": "finetune"}]
     batches = _by_length([seqs[i] for i in train_seqs], s.finetune_batch_size)
     with tqdm(range(s.finetune_epochs), desc="fine-tune small model", unit="epoch", disable=not s.progress) as bar:
         for epoch in bar:
@@ -389,13 +405,13 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
                 opt.zero_grad(set_to_none=True)
                 value.backward()
                 opt.step()
-                tot, n = tot + float(value) * count, n + count
+                tot, n = tot + float(value.detach()) * count, n + count
             held = held_loss()
             history.append({"epoch": epoch + 1, "train_loss": tot / max(1, n), "held_out_loss": held,
-                            "phase": "finetune"})  # type: ignore[dict-item]
+                            "phase": "finetune"})
             bar.set_postfix(train=f"{tot / max(1, n):.4f}", held=f"{held:.4f}")
             if held < best - 1e-7:
-                best, best_small, best_head, bad = held, copy.deepcopy(small.state_dict()), copy.deepcopy(head.state_dict()), 0
+                best, (best_small, best_head), bad = held, snapshot(), 0
             else:
                 bad += 1
                 if bad >= s.patience:
@@ -406,17 +422,24 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
     head.eval().cpu()
     # The router reads the fine-tuned model's hidden states now: recompute them.
     hidden = torch.zeros_like(feats.hidden)
-    lp_small = torch.zeros_like(feats.lp_small) if feats.lp_small is not None else torch.zeros(len(feats))
+    lp_small = torch.zeros(len(feats))
+    token = torch.zeros(len(feats), dtype=torch.long)
     with torch.no_grad():
         for b in _by_length(seqs, s.label_batch_size):
             ids = torch.tensor([list(seqs[i]) for i in b], dtype=torch.long, device=device)
             h = _decoder(small)(input_ids=ids).last_hidden_state[:, :-1]
-            lsm = torch.log_softmax(small.lm_head(h).float(), -1)
-            lp = lsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
+            logits = small.lm_head(h).float()
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             for row, i in enumerate(b):
                 hidden[where[i]] = h[row].float().cpu()
                 lp_small[where[i]] = lp[row].cpu()
-    return dataclasses.replace(feats, hidden=hidden, lp_small=lp_small), history
+                token[where[i]] = logits[row].argmax(-1).cpu()
+    new = dataclasses.replace(feats, hidden=hidden, lp_small=lp_small, token=token)
+    if feats.large_token is not None:
+        new.differs = (token != feats.large_token).float()
+        new.label = new.differs
+        new.stats = {**feats.stats, "differs_share_after_finetune": float(new.differs.mean())}
+    return new, history
 
 
 # ---------------------------------------------------------------------------------------- end to end
@@ -437,11 +460,30 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def pair_fingerprint(path: Path, model: nn.Module, serve_dtype: torch.dtype) -> str:
-    """routers.model_fingerprint of a model folder as the engine will compute it when serving in
-    serve_dtype (the fingerprint samples the embedding as loaded, so it depends on the dtype)."""
+def _checkpoint_embedding(path: Path) -> torch.Tensor | None:
+    """The input embedding as stored in the folder's safetensors (one file or an index), or None."""
+    from safetensors import safe_open
+
+    key = "model.embed_tokens.weight"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(key)
+        file = path / shard if shard else None
+    else:
+        file = path / "model.safetensors"
+    if file is None or not file.is_file():
+        return None
+    with safe_open(str(file), framework="pt") as f:
+        return f.get_tensor(key) if key in f.keys() else None
+
+
+def pair_fingerprint(path: Path, model: nn.Module) -> str:
+    """routers.model_fingerprint of a model folder, from the checkpoint's own embedding (the same in
+    whatever dtype the engine serves it, as the fingerprint rounds through bfloat16)."""
     config = json.loads((path / "config.json").read_text())
-    embed = model.get_input_embeddings().weight.detach().cpu().to(serve_dtype)
+    embed = _checkpoint_embedding(path)
+    if embed is None:
+        embed = model.get_input_embeddings().weight.detach().cpu()
     return model_fingerprint(config, embed)
 
 
@@ -471,7 +513,6 @@ def train_router(kind: str, small_path: str | Path, large_path: str | Path, text
     torch.manual_seed(s.seed)
     device = resolve_device(s.device)
     dtype = DTYPES[s.dtype]
-    serve_dtype = DTYPES[s.serve_dtype or s.dtype]
 
     small_tok = AutoTokenizer.from_pretrained(str(small_path))
     large_tok = AutoTokenizer.from_pretrained(str(large_path))
@@ -489,8 +530,8 @@ def train_router(kind: str, small_path: str | Path, large_path: str | Path, text
         if limit is not None and longest > limit:
             raise ValueError(f"sequences of {longest} tokens (seq_len + continuation) exceed the {name} "
                              f"model's {limit} positions; lower --seq-len")
-    fingerprints = {"small": pair_fingerprint(small_path, small, serve_dtype),
-                    "large": pair_fingerprint(large_path, large, serve_dtype)}
+    fingerprints = {"small": pair_fingerprint(small_path, small),
+                    "large": pair_fingerprint(large_path, large)}
 
     feats = build_features(kind, small, large, seqs, top_k=s.top_k, continuation=s.continuation,
                            batch_size=s.label_batch_size, continuation_batch=s.continuation_batch_size,
@@ -507,7 +548,7 @@ def train_router(kind: str, small_path: str | Path, large_path: str | Path, text
         small_out.mkdir(parents=True, exist_ok=True)
         small.to(dtype).save_pretrained(str(small_out))
         small_tok.save_pretrained(str(small_out))
-        fingerprints["small"] = pair_fingerprint(small_out, small, serve_dtype)
+        fingerprints["small"] = pair_fingerprint(small_out, small)
 
     pair = {"small": {"fingerprint": fingerprints["small"], "path": str(small_out.resolve())},
             "large": {"fingerprint": fingerprints["large"], "path": str(large_path.resolve())}}
