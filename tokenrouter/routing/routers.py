@@ -57,13 +57,17 @@ class _ResidualBlock(nn.Module):
 class R2RRouter(nn.Module):
     """R2R: [last hidden state, embedding of the sampled token, projected top-k logits] -> project ->
     residual MLP blocks (LayerNorm, 4x, GELU, dropout) -> LayerNorm -> one logit (route when
-    sigmoid >= threshold). The token embedding is the small model's own (frozen, not stored here)."""
+    sigmoid >= threshold). The token embedding is the small model's own (frozen, not stored here).
+
+    The blocks' width defaults to a quarter of the hidden size: at full width (13M parameters for a
+    512-wide model) the router cost a third of a 30M model's decode step; a quarter costs a few percent
+    (benchmarks/bench_router_cost.py)."""
 
     kind = "r2r"
 
     def __init__(self, hidden_size: int, top_k: int = 100, width: int | None = None, blocks: int = 6) -> None:
         super().__init__()
-        w = width or hidden_size
+        w = width or max(64, hidden_size // 4)
         self.top_k, self.hidden_size, self.width, self.blocks = top_k, hidden_size, w, blocks
         self.logit_proj = nn.Linear(top_k, hidden_size)
         self.inp = nn.Linear(3 * hidden_size, w)
