@@ -106,3 +106,18 @@ def test_delayed_batching_changes_timing_not_tokens(pair_paths):
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
         results.append([(o.outputs[0].token_ids, o.outputs[0].token_models) for o in outs])
     assert results[0] == results[1]
+
+
+def test_single_model_group_preempts_instead_of_reserving(pair_paths):
+    prompts = prompts_of([9, 30, 17, 25, 12, 40, 21, 6], seed=12)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    alone = LLM(str(pair_paths["small"]), kv_cache_tokens=4096, page_size=4, device="cpu").generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    cfg = {"models": [{"name": "small", "path": str(pair_paths["small"]), "kv_cache_tokens": 96, "page_size": 4,
+                       "max_running_requests": 8, "chunked_prefill_size": 64}], "algorithm": "single"}
+    with RoutedLLM(cfg) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+        stats = llm.entry.stats()["small"]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in alone]
+    assert stats.preemptions > 0  # eight requests of up to 64 tokens in a 96-token pool
+    assert stats.live_requests == 0 and stats.free_pages + stats.cached_pages == stats.total_pages

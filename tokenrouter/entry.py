@@ -65,7 +65,7 @@ class EntryReq:
     params: SamplingParams  # as the client sent them (stop strings included)
     seed: int
     max_tokens: int  # capped by the group's context
-    reserve: dict[str, int]  # KV tokens reserved on each model the request may visit
+    reserve: dict[str, int]  # KV tokens reserved on each model the request may visit (none for one model)
     output: list[int] = field(default_factory=list)
     models: list[str] = field(default_factory=list)  # who wrote each output token
     logprobs: list[float] = field(default_factory=list)
@@ -272,7 +272,10 @@ class Entry:
             if reserve[name] > self.info[name].capacity_tokens:
                 raise ValueError(f"request needs {reserve[name]} tokens of KV on model {name!r}, "
                                  f"whose pool holds {self.info[name].capacity_tokens}")
-        return reserve
+        # A request that never leaves one model needs no reservation: that model's scheduler admits
+        # what fits and preempts (recompute) under pressure, as a single-model server does. Only
+        # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
+        return reserve if len(self.visit) > 1 else {}
 
     def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
         """Validate (ValueError naming the problem) and queue; admitted when every model it may
