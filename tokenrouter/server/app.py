@@ -169,14 +169,18 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         return {"prompt_tokens": gen.stream.prompt_len, "completion_tokens": n_out,
                 "total_tokens": gen.stream.prompt_len + n_out}
 
-    def routing(gen: _Gen) -> dict[str, Any]:
+    def routing(gen: _Gen, writers: bool = False) -> dict[str, Any]:
+        """Tokens per model and hand-offs; with `writers`, the model that wrote each token too."""
         if gen.done is not None and gen.done.tokens_per_model:
             per_model = gen.done.tokens_per_model
         else:
             per_model = {}
             for t in gen.tokens:
                 per_model[t.model] = per_model.get(t.model, 0) + 1
-        return {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0}
+        out: dict[str, Any] = {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0}
+        if writers:
+            out["token_models"] = [t.model for t in gen.tokens]
+        return out
 
     def finish_reason(done: Done) -> str:
         return "length" if done.finish_reason == "length" else "stop"
@@ -205,7 +209,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def stream_events(request: Request, gen: _Gen, chunk: Any, include_usage: bool,
-                            every_token: bool) -> AsyncIterator[str]:
+                            every_token: bool, writers: bool = False) -> AsyncIterator[str]:
         """SSE: a chunk per token that completes text (every token when asked), a final chunk with the
         finish reason, [DONE]. Every token appears in exactly one chunk."""
         pending: list[TokenOut] = []  # tokens not yet in a chunk (their text is held back)
@@ -220,7 +224,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                     if item.finish_reason == "error":
                         yield sse(APIError(500, f"generation failed: {item.error}", type_="internal_error").body())
                         break
-                    yield sse({**chunk(pending, item.text, finish_reason(item)), "routing": routing(gen)})
+                    yield sse({**chunk(pending, item.text, finish_reason(item)), "routing": routing(gen, writers)})
                     if include_usage:
                         yield sse({**chunk([], "", None), "choices": [], "usage": usage(gen)})
             yield "data: [DONE]\n\n"
@@ -252,12 +256,12 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)
             every = want_lp or body.return_token_ids
-            return StreamingResponse(stream_events(request, gen, chunk, include, every),
+            return StreamingResponse(stream_events(request, gen, chunk, include, every, body.return_token_ids),
                                      media_type="text/event-stream")
         await run_to_end(request, gen)
         assert gen.done is not None
         out = chunk(gen.tokens, gen.text, finish_reason(gen.done))
-        return JSONResponse({**out, "usage": usage(gen), "routing": routing(gen)})
+        return JSONResponse({**out, "usage": usage(gen), "routing": routing(gen, body.return_token_ids)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
