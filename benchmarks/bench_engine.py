@@ -124,7 +124,6 @@ def run_hf_generate(folder: Path, prompts: list[list[int]], warm: list[list[int]
 
 def run_hf_generate_batch(folder: Path, prompts: list[list[int]], warm: list[list[int]], output_len: int,
                           args: argparse.Namespace) -> dict:
-    import torch
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = _hf_model(folder, "sdpa")

@@ -124,7 +124,8 @@ def test_top_k_never_samples_outside_the_top_k():
     vocab, k, n = 100, 5, 600
     sampler = Sampler(CPU)
     for row_seed in range(3):
-        logits = logits_like(1, vocab, seed=row_seed, scale=0.3)[0]  # flat: outside tokens are likely without the filter
+        # flat: tokens outside the top k are likely without the filter
+        logits = logits_like(1, vocab, seed=row_seed, scale=0.3)[0]
         top = set(logits.topk(k).indices.tolist())
         out = draws(logits, n, seed=row_seed, top_k=k, temperature=1.5)
         seen = set(out.tolist())

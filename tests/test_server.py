@@ -81,7 +81,8 @@ def test_completion_matches_streaming(client):
 
 def test_chat(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8,
-                                       temperature=0, seed=3, logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+                                       temperature=0, seed=3, logprobs=True, top_logprobs=2,
+                                       extra_body={"ignore_eos": True})
     c = r.choices[0]
     assert c.message.role == "assistant" and r.usage.completion_tokens == 8
     assert len(c.logprobs.content) == 8

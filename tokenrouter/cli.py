@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_bench_parser(sub)
     add_train_router_parser(sub)
+    from tokenrouter.baselines.standard import add_standard_parser
+
+    bl = sub.add_parser("baseline", help="baseline systems to compare against (standard serving)")
+    add_standard_parser(bl.add_subparsers(dest="baseline_command", required=True))
     return parser
 
 

@@ -165,7 +165,7 @@ def _power_iteration(Q, k: int, start_local: int, tol: float = 1e-13, max_iter: 
     v[start_local] = 1.0
     acc = np.zeros(k)
     QT = Q.T
-    for it in range(1, max_iter + 1):
+    for _ in range(max_iter):
         nv = QT @ v
         acc += nv
         if np.abs(nv - v).sum() < tol:

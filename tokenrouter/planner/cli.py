@@ -31,7 +31,7 @@ def parse_n(spec: str) -> list[int]:
             else:
                 out.add(int(part))
         except ValueError:
-            raise ValueError(f"bad --n {spec!r}: expected N, N1,N2,... or LO-HI")
+            raise ValueError(f"bad --n {spec!r}: expected N, N1,N2,... or LO-HI") from None
     if not out or min(out) < 1:
         raise ValueError(f"bad --n {spec!r}: concurrencies must be integers >= 1")
     return sorted(out)
@@ -41,7 +41,7 @@ def _floats(spec: str, name: str) -> list[float]:
     try:
         vals = [float(v) for v in spec.split(",") if v.strip()]
     except ValueError:
-        raise ValueError(f"bad {name} {spec!r}: expected a number or a comma-separated list")
+        raise ValueError(f"bad {name} {spec!r}: expected a number or a comma-separated list") from None
     if not vals:
         raise ValueError(f"bad {name} {spec!r}: empty")
     return vals

@@ -186,7 +186,7 @@ def parse_latency(spec: str) -> LatencyModel:
             return Table([tuple(float(v) for v in t.split(":")) for t in parts])
         vals = [float(t) for t in parts]
     except ValueError:
-        raise ValueError(f"bad latency spec {spec!r}: expected SECONDS, A,C, B1:S1,B2:S2,... or @file.json")
+        raise ValueError(f"bad latency spec {spec!r}: expected SECONDS, A,C, B1:S1,B2:S2,... or @file.json") from None
     if len(vals) == 1:
         return Constant(vals[0])
     if len(vals) == 2:

@@ -46,7 +46,8 @@ def add_train_router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--patience", type=int, default=d.patience, help="early-stopping patience (epochs)")
     g.add_argument("--pos-weight", type=float, default=d.pos_weight,
                    help="BCE weight of positives (tokens that should go to the large model)")
-    g.add_argument("--width", type=int, default=None, help="R2R body width (default: a quarter of the hidden size, at least 64)")
+    g.add_argument("--width", type=int, default=None,
+                   help="R2R body width (default: a quarter of the hidden size, at least 64)")
     g.add_argument("--blocks", type=int, default=d.blocks, help="R2R residual blocks")
     g.add_argument("--init-epochs", type=int, default=d.init_epochs,
                    help="Co-LLM: epochs on the weak labels before the mixture loss")
