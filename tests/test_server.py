@@ -36,7 +36,7 @@ def client(server):
 
 
 def metrics(server) -> dict[str, dict[tuple, float]]:
-    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.url}/metrics", timeout=10, headers={"Authorization": f"Bearer {KEY}"}).text
     out: dict[str, dict[tuple, float]] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -190,6 +190,8 @@ def test_wrong_api_key(server):
     with pytest.raises(openai.AuthenticationError):
         bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401  # every endpoint but /health
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 def test_models_health_metrics(server, client):
@@ -227,3 +229,9 @@ def test_return_token_ids(client):
         model=MODEL, prompt=[5, 6, 7], max_tokens=6, temperature=0, seed=1, stream=True,
         extra_body={"ignore_eos": True, "return_token_ids": True}) for t in ch.choices[0].model_extra["token_ids"]]
     assert streamed == ids
+
+
+def test_body_size_limit(server):
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{" + b" " * (9 << 20) + b"}", timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"})
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]

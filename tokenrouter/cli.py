@@ -131,7 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group, name = group_from_args(args)
     serve(group, host=args.host, port=args.port, api_key=args.api_key, model_name=name,  # type: ignore[arg-type]
-          grace_period=args.grace_period, log_level=args.log_level)
+          grace_period=args.grace_period, log_level=args.log_level, restart_on_failure=args.restart_on_failure,
+          max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
     return 0
 
 
@@ -186,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--grace-period", type=float, default=30.0,
                     help="seconds in-flight requests may finish after SIGTERM before they are aborted")
     sv.add_argument("--log-level", default="info")
+    sv.add_argument("--restart-on-failure", action="store_true",
+                    help="when a subserver dies, fail its requests (503) and start the group again")
+    sv.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
+    sv.add_argument("--request-timeout", type=float, default=None,
+                    help="seconds a request may run before it is aborted (408)")
     sv.set_defaults(func=cmd_serve)
 
     pf = sub.add_parser("profile", help="measure a model's step latency into a latency profile (JSON)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import time
@@ -38,6 +39,8 @@ DEFAULT_CHAT_TEMPLATE = (
 class ServerConfig:
     model_name: str
     api_key: str | None = None
+    max_body_bytes: int = 8 << 20  # a longer body is refused (413) before it is parsed
+    request_timeout: float | None = None  # seconds; a request running longer is aborted (408 / error event)
 
 
 class _Gen:
@@ -51,9 +54,14 @@ class _Gen:
         self.start = time.monotonic()
         self.first_token: float | None = None
 
-    async def events(self) -> AsyncIterator[TokenOut | Done]:
+    async def events(self, timeout: float | None = None) -> AsyncIterator[TokenOut | Done]:
+        """Events until Done; past `timeout` seconds from the start, raise TimeoutError."""
         while self.done is None:
-            item = await self.stream.events.get()
+            if timeout is None:
+                item = await self.stream.events.get()
+            else:
+                left = self.start + timeout - time.monotonic()
+                item = await asyncio.wait_for(self.stream.events.get(), max(left, 0.0))
             if isinstance(item, TokenOut):
                 if self.first_token is None:
                     self.first_token = time.monotonic()
@@ -62,6 +70,15 @@ class _Gen:
                 self.done = item
             self.text += item.text
             yield item
+
+
+async def _until_timeout(events: AsyncIterator[TokenOut | Done]) -> AsyncIterator[TokenOut | Done | None]:
+    """The events, then None if they stopped on the request time limit."""
+    try:
+        async for item in events:
+            yield item
+    except TimeoutError:
+        yield None
 
 
 def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
@@ -84,11 +101,16 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     def check_auth(request: Request) -> None:
         if cfg.api_key is None:
             return
-        if request.headers.get("authorization", "") != f"Bearer {cfg.api_key}":
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, f"Bearer {cfg.api_key}".encode()):
             raise APIError(401, "invalid API key", type_="authentication_error", code="invalid_api_key")
 
     async def parse(request: Request, model: type[pydantic.BaseModel]) -> Any:
-        body = await request.body()
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > cfg.max_body_bytes:
+                raise APIError(413, f"the request body is over {cfg.max_body_bytes} bytes", code="body_too_large")
         try:
             json.loads(body)
         except ValueError:
@@ -145,7 +167,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     async def run_to_end(request: Request, gen: _Gen) -> None:
         """Collect a whole generation; abort it if the client goes away first."""
         async def collect() -> None:
-            async for _ in gen.events():
+            async for _ in gen.events(cfg.request_timeout):
                 pass
 
         task = asyncio.create_task(collect())
@@ -156,12 +178,18 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                     task.cancel()
                     runtime.abort(gen.stream.rid)
                     raise APIError(499, "client disconnected")
+            if isinstance(task.exception(), TimeoutError):
+                runtime.abort(gen.stream.rid)
+                raise APIError(408, f"the request ran over the server's {cfg.request_timeout} s limit",
+                               code="request_timeout")
         finally:
             if not task.done():
                 task.cancel()
                 runtime.abort(gen.stream.rid)
         record(gen)
         if gen.done is not None and gen.done.finish_reason == "error":
+            if gen.done.fatal:
+                raise APIError(503, str(gen.done.error), type_="service_unavailable")
             raise APIError(500, f"generation failed: {gen.done.error}", type_="internal_error")
 
     def usage(gen: _Gen) -> dict[str, int]:
@@ -214,7 +242,11 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         finish reason, [DONE]. Every token appears in exactly one chunk."""
         pending: list[TokenOut] = []  # tokens not yet in a chunk (their text is held back)
         try:
-            async for item in gen.events():
+            async for item in _until_timeout(gen.events(cfg.request_timeout)):
+                if item is None:
+                    yield sse(APIError(408, f"the request ran over the server's {cfg.request_timeout} s limit",
+                                       code="request_timeout").body())
+                    break
                 if isinstance(item, TokenOut):
                     pending.append(item)
                     if item.text or every_token:
@@ -222,7 +254,8 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                         pending = []
                 else:
                     if item.finish_reason == "error":
-                        yield sse(APIError(500, f"generation failed: {item.error}", type_="internal_error").body())
+                        status, kind = (503, "service_unavailable") if item.fatal else (500, "internal_error")
+                        yield sse(APIError(status, f"generation failed: {item.error}", type_=kind).body())
                         break
                     yield sse({**chunk(pending, item.text, finish_reason(item)), "routing": routing(gen, writers)})
                     if include_usage:
@@ -318,7 +351,8 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         return JSONResponse({"status": "unavailable", "error": str(runtime.error or "")}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics_endpoint() -> Response:
+    async def metrics_endpoint(request: Request) -> Response:
+        check_auth(request)
         stats = await runtime.stats() if runtime.healthy else {}
         waiting, running = runtime.queue_lengths()
         return Response(metrics.render(stats, waiting, running), media_type="text/plain; version=0.0.4")

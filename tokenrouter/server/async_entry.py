@@ -42,6 +42,7 @@ class Done:
     error: str | None
     tokens_per_model: dict[str, int]
     handoffs: int
+    fatal: bool = False  # the group failed (not this request): answer 503
 
 
 @dataclass
@@ -58,8 +59,10 @@ class EntryUnavailable(RuntimeError):
 
 
 class AsyncEntry:
-    def __init__(self, group: GroupConfig) -> None:
+    def __init__(self, group: GroupConfig, restart_on_failure: bool = False) -> None:
         self.group = group
+        self.restart_on_failure = restart_on_failure
+        self.restarts = 0
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}
         self._ready = threading.Event()
@@ -136,13 +139,16 @@ class AsyncEntry:
         if self.entry is None:
             return
         sock = getattr(self._wake_local, "sock", None)
-        if sock is None:
+        address = self.entry.entry_address
+        if sock is None or getattr(self._wake_local, "address", None) != address:  # new after a restart
             if self._wake_ctx.closed:
                 return
+            if sock is not None:
+                sock.close(linger=0)
             sock = self._wake_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.entry.entry_address)
-            self._wake_local.sock = sock
+            sock.connect(address)
+            self._wake_local.sock, self._wake_local.address = sock, address
         try:
             sock.send(encode(Wake()), zmq.NOBLOCK)
         except zmq.ZMQError:
@@ -150,30 +156,40 @@ class AsyncEntry:
 
     # ---- the entry thread --------------------------------------------------------------------
     def _run(self) -> None:
-        try:
-            self.entry = Entry(self.group, detokenize=True)
-            self.info = {n: r for n, r in self.entry.info.items()}
-        except BaseException as e:  # noqa: BLE001 - reported to start()
-            self._error = e
+        first = True
+        while not self._stop.is_set():
+            try:
+                entry = Entry(self.group, detokenize=True)
+            except BaseException as e:  # noqa: BLE001 - reported to start(), or retried
+                self._error = e
+                if first or not self.restart_on_failure:
+                    self._ready.set()
+                    return
+                logger.error("restarting the group failed (%s); trying again in 5 s", e)
+                self._stop.wait(5.0)
+                continue
+            self.entry, self.info, self._error = entry, dict(entry.info), None
             self._ready.set()
-            return
-        self._ready.set()
-        entry = self.entry
-        try:
-            while not self._stop.is_set():
-                self._run_commands(entry)
-                for ev in entry.poll(0.5):
-                    self._deliver(ev)
-        except SubserverDied as e:
-            logger.error("%s", e)
-            self._error = e
-            self._fail_all(str(e))
-        except BaseException as e:  # noqa: BLE001
-            logger.exception("entry thread failed")
-            self._error = e
-            self._fail_all(f"internal error: {e}")
-        finally:
-            entry.close()
+            first = False
+            try:
+                while not self._stop.is_set():
+                    self._run_commands(entry)
+                    for ev in entry.poll(0.5):
+                        self._deliver(ev)
+            except SubserverDied as e:
+                logger.error("%s", e)
+                self._error = e
+                self._fail_all(f"the model group failed: {e}")
+            except BaseException as e:  # noqa: BLE001
+                logger.exception("entry thread failed")
+                self._error = e
+                self._fail_all(f"internal error: {e}")
+            finally:
+                entry.close()
+            if not self.restart_on_failure:
+                return
+            self.restarts += 1
+            logger.warning("restarting the model group (restart %d)", self.restarts)
 
     def _run_commands(self, entry: Entry) -> None:
         while True:
@@ -221,7 +237,7 @@ class AsyncEntry:
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
-            self._post(rid, Done("error", None, "", message, {}, 0))
+            self._post(rid, Done("error", None, "", message, {}, 0, fatal=True))
         self._streams.clear()
 
 
