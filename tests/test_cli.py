@@ -52,3 +52,20 @@ def test_generate_with_a_routed_group(tmp_path, pair_paths, capsys):
     assert rc == 0
     assert "1 requests, 8 output tokens" in out
     assert "tokens per model:" in out and "hand-offs:" in out
+
+
+def test_algorithm_parameters_from_the_command_line(tmp_path, pair_paths, capsys):
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(
+        "models:\n"
+        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 1024, page_size: 4}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 1024, page_size: 4}}\n"
+        "algorithm: {name: bernoulli, p: 0.0}\n")
+    base = ["generate", "--config", str(cfg), "--max-tokens", "8", "--ignore-eos", "--quiet", "--prompt", "hi"]
+    assert cli.main(base) == 0
+    assert "hand-offs: 0," in capsys.readouterr().out
+    assert cli.main(base + ["--algorithm-param", "p=1.0"]) == 0
+    assert "'large': 8" in capsys.readouterr().out  # every token rewritten by the large model
+    assert cli.main(base + ["--algorithm", "ensemble", "--algorithm-param", "weights=[0.5, 0.5]"]) == 0
+    assert cli.main(base + ["--algorithm-param", "p"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err

@@ -84,7 +84,7 @@ def _print_outputs(outputs: list, elapsed: float) -> None:
 def _generate_routed(args: argparse.Namespace, prompts: list[str], params: object) -> int:
     from tokenrouter.routed_llm import RoutedLLM
 
-    with RoutedLLM(args.config) as llm:
+    with RoutedLLM(load_group(args)) as llm:  # type: ignore[arg-type]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)  # type: ignore[arg-type]
         elapsed = time.perf_counter() - start
@@ -96,14 +96,42 @@ def _generate_routed(args: argparse.Namespace, prompts: list[str], params: objec
     return 0
 
 
+def load_group(args: argparse.Namespace) -> object:
+    """The group of --config, with --algorithm and --algorithm-param KEY=VALUE overriding its algorithm."""
+    import yaml
+
+    from tokenrouter.group_config import GroupConfig
+
+    with open(args.config) as f:
+        raw = yaml.safe_load(f) or {}
+    algo = raw.get("algorithm", "single")
+    algo = dict(algo) if isinstance(algo, dict) else {"name": algo}
+    if args.algorithm:
+        algo = {"name": args.algorithm}
+    for item in args.algorithm_param or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--algorithm-param takes KEY=VALUE, got {item!r}")
+        algo[key] = yaml.safe_load(value)  # numbers, lists and booleans as in the YAML file
+    raw["algorithm"] = algo
+    return GroupConfig.from_dict(raw)
+
+
+def add_group_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML file of a routed group; overrides the engine flags")
+    p.add_argument("--algorithm", default=None, help="with --config: replace the group's routing algorithm")
+    p.add_argument("--algorithm-param", action="append", metavar="KEY=VALUE",
+                   help="with --config: set an algorithm parameter (repeatable), e.g. p=0.2 or tau=0.9")
+
+
 def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
     from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
     from tokenrouter.group_config import GroupConfig, ModelSpec
 
     if args.config:
-        group = GroupConfig.from_yaml(args.config)
-        return group, args.served_model_name or group.name
+        group = load_group(args)
+        return group, args.served_model_name or group.name  # type: ignore[attr-defined]
     path = args.model_path
     if path is None:
         print(RANDOM_WEIGHTS_WARNING, file=sys.stderr)
@@ -164,8 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions offline with one model")
     add_engine_args(g)
-    g.add_argument("--config", default=None,
-                   help="YAML file of a routed group (models, algorithm); overrides the engine flags")
+    add_group_args(g)
     g.add_argument("--prompt", action="append", help="a prompt (repeat for several); default: built-in prompts")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -179,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sv = sub.add_parser("serve", help="serve the OpenAI-compatible API (one model, or a routed group)")
     add_engine_args(sv)
-    sv.add_argument("--config", default=None, help="YAML file of a routed group; overrides the engine flags")
+    add_group_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
