@@ -36,3 +36,4 @@ def test_soak_ci_sized(kind, tmp_path, pair_paths):
     assert rep.completed + rep.disconnected == rep.sent == 120
     assert rep.disconnected > 0 and rep.checked_tokens == 16 * rep.completed
     assert rep.live_at_end == 0 and rep.kv_in_use_at_end == 0
+    assert (rep.preemptions > 0) == (kind == "preempting")

@@ -33,6 +33,7 @@ class SoakReport:
     inexact: list[str] = field(default_factory=list)
     live_at_end: float = -1
     kv_in_use_at_end: float = -1
+    preemptions: float = 0
     rss_warm_mb: float = 0.0
     rss_end_mb: float = 0.0
     seconds: float = 0.0
@@ -169,9 +170,9 @@ async def soak(url: str, model: str, reference: Reference | None, server_pid: in
                     rep.inexact.append(f"request {i}: token {bad} is not {writers[bad]}'s greedy choice")
         deadline = time.monotonic() + 60
         while True:  # finishes and aborts are asynchronous: poll, bounded
-            live, used = _engine_state(httpx.get(url + "/metrics", timeout=30).text)
+            live, used, preempted = _engine_state(httpx.get(url + "/metrics", timeout=30).text)
             if (live == 0 and used == 0) or time.monotonic() > deadline:
-                rep.live_at_end, rep.kv_in_use_at_end = live, used
+                rep.live_at_end, rep.kv_in_use_at_end, rep.preemptions = live, used, preempted
                 break
             await asyncio.sleep(0.2)
         if server_pid is not None:
@@ -179,10 +180,11 @@ async def soak(url: str, model: str, reference: Reference | None, server_pid: in
     return rep
 
 
-def _engine_state(metrics_text: str) -> tuple[float, float]:
+def _engine_state(metrics_text: str) -> tuple[float, float, float]:
+    """(live requests, KV pages in use, preemptions so far), summed over the models."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    live = used = 0.0
+    live = used = preempted = 0.0
     for fam in text_string_to_metric_families(metrics_text):
         for s in fam.samples:
             if s.name == "tokenrouter_model_live_requests":
@@ -191,7 +193,9 @@ def _engine_state(metrics_text: str) -> tuple[float, float]:
                 used += s.value
             elif s.name in ("tokenrouter_kv_pages_free", "tokenrouter_kv_pages_cached"):
                 used -= s.value
-    return live, used
+            elif s.name == "tokenrouter_model_preemptions":
+                preempted += s.value
+    return live, used, preempted
 
 
 def main(argv: list[str] | None = None) -> int:
