@@ -49,6 +49,7 @@ from tokenrouter.routing import make_algorithm
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.subserver import subserver_main
 from tokenrouter.tokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenrouter.transport_security import secure_client, secure_server, start_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,10 @@ class Entry:
             self.bind_addresses = {m.name: f"tcp://{m.host}:*" for m in group.models}
             entry_bind = "tcp://127.0.0.1:*"
         self.ctx = zmq.Context()
+        self.keys = group.curve_keys()
+        self._auth = start_authenticator(self.ctx, self.keys) if self.keys else None
         self.inbox = self.ctx.socket(zmq.PULL)
+        secure_server(self.inbox, self.keys)
         self.inbox.bind(entry_bind)
         self.entry_address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbox: dict[str, zmq.Socket] = {}  # connected as each subserver reports its address
@@ -214,6 +218,7 @@ class Entry:
                     sock = self.ctx.socket(zmq.PUSH)
                     sock.setsockopt(zmq.SNDHWM, 0)
                     sock.setsockopt(zmq.LINGER, 500)
+                    secure_client(sock, self.keys)
                     sock.connect(msg.address)
                     self.outbox[msg.model] = sock
                 elif isinstance(msg, ReqError) and msg.rid is None:
@@ -479,6 +484,8 @@ class Entry:
                 proc.join(2.0)
         for sock in (self.inbox, *self.outbox.values()):
             sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
         if getattr(self, "planner", None) is not None:
             self.planner.close()

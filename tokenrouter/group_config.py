@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from tokenrouter.config import EngineConfig
 from tokenrouter.latency_model import LatencyProfile
 from tokenrouter.launch_policy import Thresholds, check_deadlock_free
+from tokenrouter.transport_security import CurveKeys, keys_from_secret
 
 
 @dataclass
@@ -50,6 +52,9 @@ class GroupConfig:
     name: str = "tokenrouter"  # the model name the server answers to
     seed: int = 0
     transport: str = "ipc"  # "ipc" (one machine) or "tcp"
+    # tcp only: every process derives CURVE keys from this secret (or $TOKENROUTER_SECRET); required
+    # when a subserver listens on anything but loopback.
+    secret: str | None = None
     # Delayed batching: {"policy": "eager"} or {"policy": "threshold", "thresholds": {model: B or {n: B}}}
     launch: dict[str, Any] = field(default_factory=lambda: {"policy": "eager"})
     # {"mode": "model"} runs the models; {"mode": "latency", "profile": path or dict} is the
@@ -62,6 +67,12 @@ class GroupConfig:
             raise ValueError("a group needs at least one model")
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
+        if self.secret is None:
+            self.secret = os.environ.get("TOKENROUTER_SECRET") or None
+        open_hosts = [m.host for m in self.models if m.host not in ("127.0.0.1", "localhost", "::1")]
+        if self.transport == "tcp" and open_hosts and not self.secret:
+            raise ValueError(f"subservers listening on {', '.join(open_hosts)} need a shared secret "
+                             "(secret: in the config, or $TOKENROUTER_SECRET)")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct, got {names}")
@@ -115,6 +126,9 @@ class GroupConfig:
         largest = max((max(t.as_dict()) for t in table.values()), default=1)
         check_deadlock_free(table, largest + 64)
         return table
+
+    def curve_keys(self) -> CurveKeys | None:
+        return keys_from_secret(self.secret) if self.transport == "tcp" and self.secret else None
 
     @property
     def names(self) -> list[str]:

@@ -48,6 +48,7 @@ from tokenrouter.model_runner import StepOutput
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.req import Req
 from tokenrouter.routing import PeerReq, make_algorithm
+from tokenrouter.transport_security import secure_client, secure_server, start_authenticator
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,10 @@ class Subserver:
                              latency_runner=runner)
         self.algorithm.bind(spec.name, self.engine)
         self.ctx = zmq.Context()
+        self.keys = group.curve_keys()
+        self._auth = start_authenticator(self.ctx, self.keys) if self.keys else None
         self.inbox = self.ctx.socket(zmq.PULL)
+        secure_server(self.inbox, self.keys)
         self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here
         self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.to_entry = self._push(entry_address)
@@ -100,6 +104,7 @@ class Subserver:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the decode loop on a slow reader
         sock.setsockopt(zmq.LINGER, 1000)
+        secure_client(sock, self.keys)
         sock.connect(address)
         return sock
 
@@ -294,6 +299,8 @@ class Subserver:
             self.clock.close()
         for sock in (self.inbox, self.to_entry, *self.to_peer.values()):
             sock.close(linger=500)
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
 
 
@@ -328,6 +335,7 @@ def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: st
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
+        secure_client(sock, cfg.curve_keys())
         sock.connect(entry_address)
         msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
         sock.send(encode(ReqError(model.name, None, msg)))

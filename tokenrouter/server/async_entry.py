@@ -21,6 +21,7 @@ from tokenrouter.entry import Entry, EntryEvent, EntryReq, SubserverDied
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.messages import Stats, Wake, encode
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.transport_security import secure_client
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class AsyncEntry:
                 sock.close(linger=0)
             sock = self._wake_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
+            secure_client(sock, self.entry.keys)
             sock.connect(address)
             self._wake_local.sock, self._wake_local.address = sock, address
         try:

@@ -1,0 +1,71 @@
+"""The tcp transport with a shared secret: CURVE-encrypted sockets that refuse peers without it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from tokenrouter import SamplingParams
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.messages import Shutdown, encode
+from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.transport_security import keys_from_secret
+
+SECRET = "correct horse battery staple"
+
+
+def group(pair_paths, **extra) -> dict:
+    return {"models": [{"name": n, "path": str(p), "kv_cache_tokens": 2048, "page_size": 4}
+                       for n, p in pair_paths.items()],
+            "algorithm": {"name": "bernoulli", "p": 0.5}, "transport": "tcp", **extra}
+
+
+def test_keys_come_from_the_secret():
+    a, b = keys_from_secret(SECRET), keys_from_secret(SECRET)
+    assert a == b and a.server_public != a.client_public
+    assert keys_from_secret(SECRET + "!") != a
+    with pytest.raises(ValueError, match="at least 16"):
+        keys_from_secret("short")
+
+
+def test_open_interface_needs_a_secret(pair_paths, monkeypatch):
+    monkeypatch.delenv("TOKENROUTER_SECRET", raising=False)
+    cfg = group(pair_paths)
+    cfg["models"][1]["host"] = "0.0.0.0"
+    with pytest.raises(ValueError, match="need a shared secret"):
+        GroupConfig.from_dict(cfg)
+    GroupConfig.from_dict({**cfg, "secret": SECRET})  # fine with one
+
+
+def rogue_shutdown(address: str) -> None:
+    """A process without the secret connects to a subserver's inbox and asks it to shut down."""
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 1000)
+    rogue.connect(address)
+    try:
+        rogue.send(encode(Shutdown()), zmq.NOBLOCK)
+    except zmq.Again:
+        pass  # no handshake, so no queue: the message never leaves
+    time.sleep(1.0)
+    rogue.close()
+    ctx.term()
+
+
+def test_secured_group_serves_and_refuses_strangers(pair_paths):
+    params = SamplingParams(max_tokens=10, temperature=0.0, seed=4, ignore_eos=True)
+    with RoutedLLM(group(pair_paths)) as plain:
+        want = plain.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
+        rogue_shutdown(plain.entry.info["large"].address)  # without a secret, anyone on the network can
+        plain.entry.procs["large"].join(10)
+        assert not plain.entry.procs["large"].is_alive()
+    with RoutedLLM(group(pair_paths, secret=SECRET)) as llm:
+        out = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
+        assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+        assert out[0].outputs[0].token_models == want[0].outputs[0].token_models
+        rogue_shutdown(llm.entry.info["large"].address)
+        assert all(p.is_alive() for p in llm.entry.procs.values())
+        again = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
+        assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
