@@ -71,3 +71,23 @@ def test_bench_run_and_plot(server, tmp_path, capsys):
     pngs = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
     assert pngs == ["latency_cdf.png", "throughput.png"]
     assert (tmp_path / "plots" / "throughput.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_compare_side_by_side(tmp_path, pair_paths, capsys):
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(
+        "name: pair\nmodels:\n"
+        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+        "algorithm: {name: bernoulli, p: 0.2}\n")
+    out = tmp_path / "compare.jsonl"
+    rc = cli.main(["bench", "compare", "--config", str(cfg), "--systems", "tokenrouter,large,standard,step-sync",
+                   "--concurrency", "2", "--num-requests", "4", "--max-tokens", "6", "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["tokenrouter", "large", "standard", "step-sync"]
+    assert all(r["completed"] == 4 and r["output_tokens"] == 24 for r in rows)
+    # The routed systems write the same tokens per model (same router draws, greedy).
+    shares = [r["tokens_per_model"] for r in rows if r["label"] in ("tokenrouter", "standard")]
+    assert shares[0] == shares[1]
+    assert "against the stronger baseline" in capsys.readouterr().out

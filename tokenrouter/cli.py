@@ -248,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and argv[1:2] not in (["run"], ["plot"], ["-h"], ["--help"]):
+    if argv[:1] == ["bench"] and argv[1:2] not in (["run"], ["plot"], ["compare"], ["-h"], ["--help"]):
         argv.insert(1, "run")  # `tokenrouter bench ...` means `tokenrouter bench run ...`
     args = build_parser().parse_args(argv)
     try:

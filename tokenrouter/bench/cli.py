@@ -36,6 +36,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     p.add_argument("files", nargs="+")
     p.add_argument("--out-dir", default="bench_plots")
     p.set_defaults(func=cmd_plot)
+    from tokenrouter.bench.compare import add_compare_parser
+
+    add_compare_parser(bsub)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

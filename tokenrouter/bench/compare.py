@@ -1,0 +1,141 @@
+"""`tokenrouter bench compare`: systems side by side, one after the other in one run, on the same
+workload, prompts and seeds, with the ratios printed.
+
+Systems: `tokenrouter` (the routed group of --config), `large` and `small` (each model alone in our
+server), `standard` (plain single-model servers and an outside one-token-at-a-time coordinator, for
+the bernoulli router), and `step-sync` (the research codes' execution: static batches, a global
+barrier; run in-process on our engines, so it pays no HTTP cost, which favours it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
+from tokenrouter.bench.server_process import ServerProcess
+from tokenrouter.bench.workloads import WORKLOADS, build_prompts
+from tokenrouter.group_config import GroupConfig
+
+SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync")
+
+
+def _http_run(url: str, model: str, prompts: list[str], cap: int, c: int, n: int, seed: int) -> dict[str, Any]:
+    cfg = BenchConfig(base_url=url, model=model, prompts=prompts, max_tokens=cap, num_requests=n, concurrency=c,
+                      warmup=min(2, n), seed=seed)
+    summary, _ = asyncio.run(run_bench(cfg, progress=False))
+    return summary
+
+
+def _step_sync(group: GroupConfig, prompts: list[str], cap: int, c: int, seed: int) -> dict[str, Any]:
+    from tokenrouter.baselines.step_sync import run_step_sync
+    from tokenrouter.engine import Engine
+    from tokenrouter.routing import make_algorithm
+    from tokenrouter.routing.deferral import DeferToLarge
+    from tokenrouter.sampling_params import SamplingParams
+
+    router = make_algorithm(group.algorithm, group.names, group.algorithm_params)
+    if not isinstance(router, DeferToLarge):
+        raise ValueError(f"step-sync runs one-token deferral algorithms, not {group.algorithm!r}")
+    engines = [Engine(group.spec(n).engine_config(group.seed), outputs=router.outputs(n)) for n in group.names]
+    for name, eng in zip(group.names, engines):
+        router.bind(name, eng)
+    ids = [engines[0].tokenize(p) for p in prompts]
+    res = run_step_sync(engines[0], engines[1], router, ids, SamplingParams(max_tokens=cap, temperature=0.0,
+                                                                            ignore_eos=True), c, seed=seed)
+    return {"concurrency": c, "completed": len(ids), "failed": 0, "output_tokens": res.output_tokens,
+            "duration_s": res.wall_seconds, "output_throughput": res.throughput,
+            "per_user_tok_s": {"mean": sum(res.per_user) / len(res.per_user)},
+            "tokens_per_model": res.tokens_per_model}
+
+
+def compare(config: str, systems: list[str], workload: str, scale: str, concurrencies: list[int], num_requests: int,
+            max_tokens: int | None, seed: int, out: str | None) -> list[dict[str, Any]]:
+    group = GroupConfig.from_yaml(config)
+    if len(group.models) != 2:
+        raise ValueError("compare needs a group of two models (small first, large second)")
+    small, large = group.models
+    prompts, cap = build_prompts(workload, scale, num_requests, seed)
+    cap = max_tokens or cap
+    rows: list[dict[str, Any]] = []
+
+    def record(system: str, summary: dict[str, Any]) -> None:
+        row = {"label": system, "workload": workload, "scale": scale, **summary}
+        rows.append(row)
+        if out:
+            write_jsonl(out, row)
+        print(f"  {system:12s} concurrency {summary['concurrency']:3d}: {summary['output_throughput']:9.1f} tok/s  "
+              f"per-user {summary['per_user_tok_s']['mean'] or 0:7.1f} tok/s  {summary.get('tokens_per_model', {})}",
+              flush=True)
+
+    for system in systems:
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown system {system!r}; available: {', '.join(SYSTEMS)}")
+        print(f"{system}:", flush=True)
+        if system == "step-sync":
+            for c in concurrencies:
+                record(system, _step_sync(group, prompts, cap, c, seed))
+            continue
+        if system == "standard":
+            from tokenrouter.baselines.standard import StandardStack
+
+            if group.algorithm != "bernoulli":
+                raise ValueError("the standard-serving coordinator routes with bernoulli only")
+            with StandardStack(small.path, large.path, float(group.algorithm_params.get("p", 0.1)),
+                               small_cores=small.cores, large_cores=large.cores,
+                               server_args=["--page-size", "1"]) as stack:
+                for c in concurrencies:
+                    record(system, _http_run(stack.url, stack.model_name, prompts, cap, c, num_requests, seed))
+            continue
+        if system == "tokenrouter":
+            args, model = ["--config", config], group.name
+        else:
+            spec = small if system == "small" else large
+            args, model = ["--model-path", spec.path, "--served-model-name", system,
+                           "--page-size", str(spec.page_size)], system
+            if spec.kv_cache_tokens:
+                args += ["--kv-cache-tokens", str(spec.kv_cache_tokens)]
+        srv = ServerProcess(args + ["--log-level", "warning"], startup_timeout=600)
+        try:
+            for c in concurrencies:
+                record(system, _http_run(srv.url, model, prompts, cap, c, num_requests, seed))
+        finally:
+            srv.stop()
+    _print_ratios(rows, concurrencies)
+    return rows
+
+
+def _print_ratios(rows: list[dict[str, Any]], concurrencies: list[int]) -> None:
+    by = {(r["label"], r["concurrency"]): r["output_throughput"] for r in rows}
+    print("\nratios (tokenrouter / system, output throughput):")
+    for c in concurrencies:
+        ours = by.get(("tokenrouter", c))
+        if ours is None:
+            continue
+        cells = [f"{s} {ours / by[(s, c)]:.2f}x" for s in SYSTEMS[1:] if by.get((s, c))]
+        base = [by[(s, c)] for s in ("standard", "step-sync") if by.get((s, c))]
+        strongest = f"; against the stronger baseline {ours / max(base):.2f}x" if base else ""
+        print(f"  concurrency {c}: " + ", ".join(cells) + strongest)
+
+
+def add_compare_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    c = bsub.add_parser("compare", help="run systems side by side on one workload and print the ratios")
+    c.add_argument("--config", required=True, help="the routed group (two models, small first)")
+    c.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    c.add_argument("--workload", default="reasoning-low", choices=sorted(WORKLOADS))
+    c.add_argument("--scale", default="cpu", choices=["cpu", "paper"])
+    c.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    c.add_argument("--num-requests", type=int, default=16)
+    c.add_argument("--max-tokens", type=int, default=None)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--out", default=None, help="append the rows (JSONL) here")
+    c.set_defaults(func=lambda a: _cmd(a))
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    rows = compare(args.config, [s.strip() for s in args.systems.split(",") if s.strip()], args.workload, args.scale,
+                   args.concurrency, args.num_requests, args.max_tokens, args.seed, args.out)
+    print(json.dumps({"rows": len(rows)}))
+    return 0
