@@ -229,3 +229,24 @@ def test_rid_reused_after_abort_completes(llm):
     finally:
         entry.abort("dup")
     assert_no_live_requests(llm)
+
+
+def test_garbage_on_the_sockets_is_dropped(llm):
+    """Undecodable bytes on the entry's and a subserver's inbox are logged and dropped; serving goes on."""
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        for address in (llm.entry.entry_address, llm.entry.info["large"].address):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(address)
+            for junk in (b"", b"\x00\xff garbage", b"\x92\xa3add\x01"):  # empty, random, msgpack of the wrong shape
+                sock.send(junk)
+            sock.close()
+    finally:
+        ctx.term()
+    prompt = prompts_of([5], seed=28)[0]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(6, seed=3), use_tqdm=False, timeout=60)
+    assert len(out[0].outputs[0].token_ids) == 6
+    assert all(p.is_alive() for p in llm.entry.procs.values())
