@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", "--max-model-len", dest="max_model_len", type=int, default=None)
     g.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
                    action="store_true")
-    g.add_argument("--attention-backend", default="torch", choices=["torch"])
+    g.add_argument("--attention-backend", default="torch", choices=["torch", "torch-reference"])
     g.add_argument("--num-threads", type=int, default=1, help="torch threads on CPU (default 1)")
     g.add_argument("--random-seed", dest="seed", type=int, default=0)
 

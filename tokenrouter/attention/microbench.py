@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--backends", default=",".join(BACKENDS))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -76,23 +76,25 @@ def main() -> None:
         t = batch.num_tokens
         qs = [torch.randn(t, h, d, generator=gen) for _ in range(args.layers)]
         kvs = [torch.randn(t, hkv, d, generator=gen) for _ in range(args.layers)]
-        results = {}
+        steps, outs, times = {}, {}, {}
         for name in args.backends.split(","):
             be = make_backend(name, pool, h, hkv, d)
 
-            def step() -> list[torch.Tensor]:
+            def step(be=be, batch=batch, qs=qs, kvs=kvs) -> list[torch.Tensor]:
                 be.plan(batch)
                 return [be.forward(layer, qs[layer], kvs[layer], kvs[layer]) for layer in range(args.layers)]
 
-            outs = step()
-            t0 = time.perf_counter()
-            for _ in range(args.iters):
+            steps[name], outs[name], times[name] = step, step(), []
+        # Backends alternate step by step, so a busy machine slows them alike; the median is reported.
+        for _ in range(args.iters):
+            for name, step in steps.items():
+                t0 = time.perf_counter()
                 step()
-            ms = (time.perf_counter() - t0) / args.iters * 1e3
-            results[name] = (ms, outs)
+                times[name].append(time.perf_counter() - t0)
+        results = {name: (sorted(ts)[len(ts) // 2] * 1e3, outs[name]) for name, ts in times.items()}
         base = results.get("torch-reference")
         for name, (ms, outs) in results.items():
-            line = f"{case:24s} {name:16s} {ms:8.2f} ms/step ({args.layers} layers)"
+            line = f"{case:24s} {name:16s} {ms:8.2f} ms/step ({args.layers} layers, median of {args.iters})"
             if base is not None and name != "torch-reference":
                 err = max((a - c).abs().max().item() for a, c in zip(outs, base[1]))
                 line += f"  {base[0] / ms:5.2f}x  max abs diff {err:.1e}"

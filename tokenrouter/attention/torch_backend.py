@@ -130,8 +130,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_slots = (pages * p + kpos % p).reshape(-1)
         if len(sel) == batch.batch_size and min(e_list) == e_max:
             # The whole batch, no padding: the query rows are the batch's rows in order.
-            return _Extend(len(sel), e_max, s_max, None, kv_slots, None if causal else self._mask(pre, ext, e_max, s_max),
-                           None, None)
+            mask = None if causal else self._mask(pre, ext, e_max, s_max)
+            return _Extend(len(sel), e_max, s_max, None, kv_slots, mask, None, None)
         offs = torch.arange(e_max, device=dev)[None, :]
         valid = offs < ext[:, None]
         rows = torch.where(valid, starts[idx][:, None] + offs, starts[idx][:, None])
@@ -190,7 +190,8 @@ class TorchAttentionBackend(AttentionBackend):
         out.index_copy_(0, g.rows, od)
         return out
 
-    def _forward_extend(self, g: _Extend, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, out: torch.Tensor) -> None:
+    def _forward_extend(self, g: _Extend, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                        out: torch.Tensor) -> None:
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qe = q if g.rows is None else q.index_select(0, g.rows)
         keys = kc.index_select(0, g.kv_slots).view(g.batch, g.seq, hkv, d)
