@@ -12,7 +12,7 @@ from tqdm import tqdm
 from tokenrouter.config import EngineConfig
 from tokenrouter.engine import Engine
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenrouter.prompts import PromptType, normalise_prompts
+from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.req import Req
 from tokenrouter.sampling_params import SamplingParams
 
@@ -50,13 +50,9 @@ class LLM:
         Every prompt is validated before any runs, so one bad prompt rejects the call and leaves the
         engine as it was.
         """
-        items = normalise_prompts(prompts, prompt_token_ids)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
-        if len(params) != len(items):
-            raise ValueError(f"{len(items)} prompts but {len(params)} sampling params")
-        encoded = [(text, ids if ids is not None else self.engine.tokenize(text or "")) for text, ids in items]
+        requests = prepare_requests(prompts, prompt_token_ids, sampling_params, self.engine.tokenize)
+        encoded = [(text, ids) for text, ids, _ in requests]
+        params = [sp for _, _, sp in requests]
         for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             try:
                 self.engine.validate(ids, sp)

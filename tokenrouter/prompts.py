@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from tokenrouter.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -33,3 +35,16 @@ def normalise_prompts(prompts: PromptType | Sequence[PromptType] | None,
         else:
             raise ValueError(f"unsupported prompt {p!r}: give a string, token ids, or a dict")
     return items
+
+
+def prepare_requests(prompts: PromptType | Sequence[PromptType] | None, prompt_token_ids: list[list[int]] | None,
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                     encode: Callable[[str], list[int]]) -> list[tuple[str | None, list[int], SamplingParams]]:
+    """(text, token ids, params) per prompt, in order: one SamplingParams for all, or one each."""
+    items = normalise_prompts(prompts, prompt_token_ids)
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(items)
+    if len(params) != len(items):
+        raise ValueError(f"{len(items)} prompts but {len(params)} sampling params")
+    return [(text, ids if ids is not None else encode(text or ""), sp) for (text, ids), sp in zip(items, params)]

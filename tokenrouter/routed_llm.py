@@ -14,7 +14,7 @@ from tokenrouter.entry import Entry, EntryReq
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.messages import Stats
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenrouter.prompts import PromptType, normalise_prompts
+from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.sampling_params import SamplingParams
 
 
@@ -67,13 +67,9 @@ class RoutedLLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. Raises SubserverDied if a
         subserver fails, TimeoutError past `timeout` seconds (requests are aborted either way)."""
-        items = normalise_prompts(prompts, prompt_token_ids)
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(items)
-        if len(plist) != len(items):
-            raise ValueError(f"{len(items)} prompts but {len(plist)} sampling params")
-        tok = self.entry.tokenizer
-        encoded = [(text, ids if ids is not None else tok.encode(text or "")) for text, ids in items]
+        requests = prepare_requests(prompts, prompt_token_ids, sampling_params, self.entry.tokenizer.encode)
+        encoded = [(text, ids) for text, ids, _ in requests]
+        plist = [sp for _, _, sp in requests]
         before = self.entry.stats()
         start = time.monotonic()
         reqs: list[EntryReq] = []

@@ -438,22 +438,14 @@ def serve_coordinator(cfg: StandardConfig, host: str = "127.0.0.1", port: int = 
                       log_level: str = "info") -> None:
     import uvicorn
 
-    class _Server(uvicorn.Server):
-        # uvicorn re-raises SIGTERM after its graceful shutdown; exit 0 instead (as `tokenrouter serve`).
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    self._captured_signals.clear()
+    from tokenrouter.server.launch import GracefulServer
 
     app = build_app(cfg)
     logger.info("standard-serving coordinator %r on http://%s:%d (small %s, large %s, p=%g)",
                 cfg.model_name, host, port, cfg.small_url, cfg.large_url, cfg.p)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=5)
-    _Server(config).run()
+    GracefulServer(config).run()
 
 
 # --------------------------------------------------------------------------------------------

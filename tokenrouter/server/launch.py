@@ -16,7 +16,7 @@ from tokenrouter.tokenizer import load_tokenizer
 logger = logging.getLogger(__name__)
 
 
-class _Server(uvicorn.Server):
+class GracefulServer(uvicorn.Server):
     """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, killing the process before our
     own cleanup runs; here a signal ends serve() normally, so the subservers are stopped and the
     process exits 0."""
@@ -45,7 +45,7 @@ def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key
                                                         request_timeout))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=grace_period, access_log=False)
-        server = _Server(config)
+        server = GracefulServer(config)
         logger.info("serving %s (%s) on http://%s:%d", model_name or group.name, ", ".join(group.names), host, port)
         server.run()
     finally:
