@@ -1,0 +1,67 @@
+"""Throughput against concurrency on the latency-model executor at paper scale (issue 8): the routed
+runtime with the planner's thresholds, and the step-synchronous baseline, from 1 to 64 requests.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py --profile profiles/paper_qwen3_0.6b_32b_a100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+from tokenrouter import SamplingParams
+from tokenrouter.latency_model import LatencyProfile
+from tokenrouter.planner import best_thresholds
+from tokenrouter.random_model import build_random_model
+
+sys.path.insert(0, os.path.dirname(__file__))
+from ablation import run_async, run_sync  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--p", type=float, default=0.1)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--no-sync", action="store_true", help="skip the step-synchronous baseline")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    profile = LatencyProfile.load(args.profile)
+    alpha = profile.interference.get("small", {}).get("large", 0.0)
+    path = str(build_random_model(os.path.join(tempfile.mkdtemp(), "m"), "llama", "tiny", seed=0))
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    table = best_thresholds(max(args.concurrency), args.p, lambda b: profile.models["small"](b, b),
+                            lambda b: profile.models["large"](b, b), alpha, min_gain=0.01)
+    rows = []
+    for n in args.concurrency:
+        prompts = [[1 + (i % 200), 2, 3, 4] for i in range(2 * n)]
+        launch = {"policy": "threshold", "thresholds": {"large": {n: table[n]}}}
+        ours = run_async(path, profile.to_dict(), args.p, n, launch, alpha, prompts, params)
+        row = {"n": n, "B": table[n], "tokenrouter": ours.throughput, "tokenrouter_per_user": ours.mean_per_user}
+        if not args.no_sync:
+            sync = run_sync(path, profile, args.p, n, prompts, params)
+            row["step_sync"] = sync.throughput
+            row["step_sync_per_user"] = sum(sync.per_user) / len(sync.per_user)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    first = rows[0]
+    for r in rows[1:]:
+        print(f"N={r['n']:3d}: tokenrouter x{r['tokenrouter'] / first['tokenrouter']:.2f} throughput, keeps "
+              f"{100 * r['tokenrouter_per_user'] / first['tokenrouter_per_user']:.1f}% of per-user speed"
+              + (f"; step-sync x{r['step_sync'] / first['step_sync']:.2f}" if "step_sync" in r else ""))
+    if args.out:
+        with open(args.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps({"profile": args.profile, "p": args.p, **r}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
