@@ -25,6 +25,9 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     num_threads: int | None = None  # torch threads on CPU; None leaves torch's setting
     load_tokenizer: bool = True
+    # Tensor parallelism: ranks 1..tp_size-1 run in worker processes the engine spawns (gloo on CPU,
+    # NCCL on CUDA, where rank r uses the GPU r places after `device`).
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -33,6 +36,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must be >= 1, got {self.kv_cache_tokens}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

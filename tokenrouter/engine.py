@@ -6,6 +6,7 @@ import logging
 import math
 import random
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -13,6 +14,8 @@ import torch
 
 from tokenrouter.attention.backend import make_backend
 from tokenrouter.config import EngineConfig
+from tokenrouter.distributed.group import check_tp_divisible
+from tokenrouter.distributed.workers import TensorParallel, TPWorkerError
 from tokenrouter.kv_pool import KVPool, available_memory_bytes
 from tokenrouter.latency_model import LatencyModelRunner
 from tokenrouter.model_loader import load_model
@@ -61,16 +64,60 @@ class Engine:
         if latency_runner is not None and outputs != StepOutputSpec():
             raise ValueError("the latency-model executor computes no hidden states, logits or entropy; "
                              "use an algorithm that needs none (single, bernoulli, ensemble)")
-        self.model = load_model(cfg.model_path, self.dtype, self.device) if latency_runner is None else None
-        self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         mc = self.model_config
+        # Tensor parallelism: rank 0 (this process) schedules and samples; the workers run the model.
+        self.tp: TensorParallel | None = None
+        self.tp_size = cfg.tp_size if latency_runner is None else 1  # the latency executor runs no model
+        check_tp_divisible(mc, self.tp_size, repr(cfg.model_path))
+        if self.tp_size > 1:
+            self.tp = TensorParallel(cfg, self.device)
+            self._finalizer = weakref.finalize(self, self.tp.shutdown)
+        try:
+            self._build(cfg, mc, launch, outputs, latency_runner)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.kill()
+            raise
+        self.reqs: dict[str, Req] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = random.Random(cfg.seed)
+        self._next_rid = 0
+        self.stats = EngineStats()
+
+    def _build(self, cfg: EngineConfig, mc: ModelConfig, launch: LaunchPolicy | None, outputs: StepOutputSpec,
+               latency_runner: LatencyModelRunner | None) -> None:
+        tp = self.tp
+        self.model = None
+        if latency_runner is None:
+            error: BaseException | None = None
+            try:
+                self.model = load_model(cfg.model_path, self.dtype, self.device, tp.group if tp else None)
+            except Exception as e:
+                if tp is None:
+                    raise
+                error = e
+            if tp is not None:
+                tp.sync("loading its weights", error)
+        self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         num_pages = self._kv_pages(mc)
+        n = self.tp_size
         if latency_runner is None:
-            self.pool = KVPool(num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                               self.dtype, self.device)
+            pool_error: BaseException | None = None
+            if tp is not None:
+                tp.broadcast_int(num_pages)
+            try:  # each rank's pool holds its own KV heads
+                self.pool = KVPool(num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads // n, mc.head_dim,
+                                   self.dtype, self.device)
+            except Exception as e:
+                if tp is None:
+                    raise
+                pool_error = e
+            if tp is not None:
+                tp.sync("allocating its KV pool", pool_error)
+                tp.serving = True
         else:  # pages are only counted: one float per slot
             self.pool = KVPool(num_pages, cfg.page_size, 1, 1, 1, torch.float32, torch.device("cpu"))
         context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -87,17 +134,17 @@ class Engine:
             self.runner = latency_runner
         else:
             assert self.model is not None
-            backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
-            self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs)
-        self.reqs: dict[str, Req] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._seed_rng = random.Random(cfg.seed)
-        self._next_rid = 0
-        self.stats = EngineStats()
+            backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads // n, mc.num_kv_heads // n,
+                                   mc.head_dim)
+            self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs,
+                                      tp.group if tp is not None else None)
 
     def _kv_pages(self, mc: ModelConfig) -> int:
         cfg = self.cfg
-        per_token = KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype)
+        # Under TP each rank's pool holds num_kv_heads / tp heads; on CPU the ranks share host memory,
+        # so the budget is for all of them together.
+        kv_heads = mc.num_kv_heads // self.tp_size if self.device.type == "cuda" else mc.num_kv_heads
+        per_token = KVPool.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
         if cfg.kv_cache_tokens is not None:
             tokens = cfg.kv_cache_tokens
         else:
@@ -185,7 +232,17 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
-        out = self.runner.run(batch.reqs, batch.extend_lens)
+        if self.tp is None:
+            out = self.runner.run(batch.reqs, batch.extend_lens)
+        else:
+            try:
+                out = self.runner.run(batch.reqs, batch.extend_lens)
+            except BaseException as e:
+                self.tp.serving = False  # the ranks may be out of step now: shutdown kills, sends no STOP
+                dead = self.tp.dead_workers()
+                if dead is None or not isinstance(e, RuntimeError):
+                    raise
+                raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
@@ -268,9 +325,31 @@ class Engine:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def close(self) -> None:
-        """Drop every request; the engine holds no other resources (no processes, no sockets)."""
+        """Drop every request; the engine stays usable (see shutdown)."""
         for rid in list(self.reqs):
             self.abort(rid)
+
+    def shutdown(self) -> None:
+        """Drop every request and stop the tensor-parallel workers (STOP broadcast, then join); the
+        engine cannot step afterwards. Without tensor parallelism the engine holds no processes, so
+        this is close()."""
+        self.close()
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The model's whole input embedding [vocab, hidden] (routers read it). Under tensor
+        parallelism this rank holds a vocabulary slice, so the whole one is read from the checkpoint
+        (once, cached)."""
+        assert self.model is not None, "the latency-model executor has no embedding"
+        if self.tp is None:
+            return self.model.model.embed_tokens.weight
+        if getattr(self, "_full_embedding", None) is None:
+            from tokenrouter.model_loader import load_tensor
+
+            w = load_tensor(self.cfg.model_path, "model.embed_tokens.weight")
+            self._full_embedding = w.to(self.device, self.dtype)
+        return self._full_embedding
 
     def info(self) -> dict[str, Any]:
         return {
@@ -281,4 +360,5 @@ class Engine:
             "kv_pages": self.pool.num_pages,
             "page_size": self.pool.page_size,
             "max_model_len": self.max_model_len,
+            "tp_size": self.tp_size,
         }

@@ -33,6 +33,9 @@ class ModelSpec:
     enable_prefix_cache: bool = True
     attention_backend: str = "torch"
     host: str = "127.0.0.1"  # interface the subserver listens on with the tcp transport
+    # Tensor parallelism: the subserver is rank 0 and spawns tp_size - 1 worker processes (each with
+    # `threads` torch threads; on CUDA rank r uses the GPU r places after `device`).
+    tp_size: int = 1
 
     def engine_config(self, seed: int) -> EngineConfig:
         return EngineConfig(
@@ -40,7 +43,7 @@ class ModelSpec:
             max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
             kv_cache_tokens=self.kv_cache_tokens, mem_fraction=self.mem_fraction,
             max_model_len=self.max_model_len, enable_prefix_cache=self.enable_prefix_cache,
-            attention_backend=self.attention_backend, seed=seed, num_threads=self.threads,
+            attention_backend=self.attention_backend, seed=seed, num_threads=self.threads, tp_size=self.tp_size,
         )
 
 
@@ -79,6 +82,8 @@ class GroupConfig:
         for m in self.models:
             if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
                 raise ValueError(f"model name {m.name!r} must be letters, digits, '-' or '_'")
+            if isinstance(m.tp_size, bool) or not isinstance(m.tp_size, int) or m.tp_size < 1:
+                raise ValueError(f"model {m.name!r}: tp_size must be an integer >= 1, got {m.tp_size!r}")
         self.launch_thresholds()  # validates the launch settings
         mode = self.executor.get("mode", "model")
         if mode not in ("model", "latency"):

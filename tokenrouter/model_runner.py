@@ -9,6 +9,8 @@ from typing import NamedTuple
 import torch
 
 from tokenrouter.attention.backend import AttentionBackend
+from tokenrouter.distributed.group import TPGroup
+from tokenrouter.distributed.step import broadcast_batch
 from tokenrouter.forward_batch import ForwardBatch
 from tokenrouter.kv_pool import KVPool
 from tokenrouter.models.llama import LlamaForCausalLM
@@ -44,11 +46,16 @@ class ModelRunner:
     `run(reqs, extend_lens)` feeds each request `tokens[kv_len:kv_len + extend_len]`; its pages must
     already cover positions up to kv_len + extend_len. Requests whose extend reaches the end of their
     tokens are sampled. The runner writes KV but does not advance kv_len: the caller commits.
+
+    Under tensor parallelism (`tp` of size > 1) this is rank 0: each step's batch is broadcast to the
+    other ranks before the forward (they run the same model code, so the collectives pair up), and
+    sampling happens here only.
     """
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
-                 device: torch.device, outputs: StepOutputSpec = StepOutputSpec()) -> None:
+                 device: torch.device, outputs: StepOutputSpec = StepOutputSpec(), tp: TPGroup | None = None) -> None:
         self.model = model
+        self.tp = tp if tp is not None and tp.size > 1 else None
         self.pool = pool
         self.backend = backend
         self.device = device
@@ -93,6 +100,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
         batch, sampled_idx = self.build_batch(reqs, extend_lens)
+        if self.tp is not None:
+            broadcast_batch(self.tp, batch)
         self.backend.plan(batch)
         hidden = self.model(batch, self.backend)
         sampled = [reqs[i] for i in sampled_idx]

@@ -295,6 +295,8 @@ class Subserver:
         )
 
     def close(self) -> None:
+        if self.engine.tp is not None:
+            self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
         if self.clock is not None:
             self.clock.close()
         for sock in (self.inbox, self.to_entry, *self.to_peer.values()):

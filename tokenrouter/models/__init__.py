@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tokenrouter.distributed.group import TPGroup
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.models.llama import LlamaForCausalLM
 from tokenrouter.models.qwen3 import Qwen3ForCausalLM
@@ -12,5 +13,6 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(cfg: ModelConfig) -> LlamaForCausalLM:
-    return MODEL_CLASSES[cfg.architecture](cfg)
+def build_model(cfg: ModelConfig, tp: TPGroup | None = None) -> LlamaForCausalLM:
+    """The model (this rank's shard of it under tensor parallelism), with uninitialised weights."""
+    return MODEL_CLASSES[cfg.architecture](cfg, tp)

@@ -1,4 +1,4 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated MLP."""
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated MLP (tensor parallel)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenrouter.distributed.group import TPGroup
+from tokenrouter.distributed.layers import ColumnParallelLinear, RowParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -64,13 +67,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul.
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    Under tensor parallelism each rank holds intermediate / tp columns: its slice of gate and of up,
+    fused as [gate_r; up_r] (column-parallel), and the matching rows of down (row-parallel: the
+    partial sums are all-reduced)."""
+
+    def __init__(self, hidden: int, intermediate: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.intermediate = intermediate
+        tp = tp or TPGroup.single()
+        self.intermediate = intermediate // tp.size  # this rank's share
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * self.intermediate, False, tp)
+        self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)

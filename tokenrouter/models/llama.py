@@ -2,6 +2,12 @@
 
 Qwen3 is the same network plus RMSNorm on each head's q and k (see qwen3.py). Parameter names follow
 the Hugging Face checkpoints so weights load by name; q/k/v and gate/up are fused at load time.
+
+Tensor parallelism (a `TPGroup` of size > 1): rank r holds num_heads / tp query heads and
+num_kv_heads / tp KV heads (fused per shard as [q_r; k_r; v_r]), intermediate / tp MLP columns, and a
+vocabulary slice of the embedding and LM head; o_proj and down_proj all-reduce their partial sums
+(see tokenrouter/distributed/layers.py). `checkpoint_slice` tells the loader which part of each
+checkpoint tensor a rank reads. With the default group of size 1 nothing is split or communicated.
 """
 
 from __future__ import annotations
@@ -12,20 +18,30 @@ import torch
 from torch import nn
 
 from tokenrouter.attention.backend import AttentionBackend
+from tokenrouter.distributed.group import TPGroup, check_tp_divisible
+from tokenrouter.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    parallel_logits,
+)
 from tokenrouter.forward_batch import ForwardBatch
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        # This rank's heads (all of them without tensor parallelism).
+        self.num_heads, self.num_kv_heads = cfg.num_heads // tp.size, cfg.num_kv_heads // tp.size
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, tp)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -45,10 +61,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -59,10 +75,10 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -77,16 +93,19 @@ _STACKED = {
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
+        self.tp = tp = tp or TPGroup.single()
+        check_tp_divisible(cfg, tp.size, f"this {cfg.architecture} model")
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, tp)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
+        """This rank's vocabulary rows of the output projection (all of them without TP)."""
         if self.config.tie_word_embeddings:
             return self.model.embed_tokens.weight
         return self.lm_head.weight
@@ -99,18 +118,49 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden @ self.lm_head_weight.t()).float()
+        """Full float32 logits [N, vocab] (under TP every rank computes its slice; all-gathered)."""
+        return parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, self.tp).float()
+
+    # ---- loading ---------------------------------------------------------------------------
+    def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:
+        """The part of checkpoint tensor `name` this rank holds: (dim, start, end, full size along
+        dim), or None for all of it (replicated tensors, or no tensor parallelism)."""
+        tp, cfg = self.tp, self.config
+        if tp.size == 1:
+            return None
+        if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+            emb = self.model.embed_tokens
+            return 0, emb.start, emb.end, cfg.vocab_size
+        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        full = None
+        if ".q_proj." in name:
+            dim, full = 0, q
+        elif ".k_proj." in name or ".v_proj." in name:
+            dim, full = 0, kv
+        elif ".gate_proj." in name or ".up_proj." in name:
+            dim, full = 0, inter
+        elif name.endswith(".o_proj.weight"):
+            dim, full = 1, q
+        elif name.endswith(".down_proj.weight"):
+            dim, full = 1, inter
+        if full is None:
+            return None  # norms, o_proj bias: every rank holds all of it
+        start, end = tp.shard(full)
+        return dim, start, end, full
 
     def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
-        cfg = self.config
+        """Rows of this rank's fused parameter that hold checkpoint shard `shard` (q/k/v, gate/up)."""
+        cfg, n = self.config, self.tp.size
         if fused == ".qkv_proj.":
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, kv = cfg.num_heads * cfg.head_dim // n, cfg.num_kv_heads * cfg.head_dim // n
             return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
-        i = cfg.intermediate_size
+        i = cfg.intermediate_size // n
         return [(0, i), (i, 2 * i)][shard]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors in by Hugging Face name; raise naming any missing parameter."""
+        """Copy checkpoint tensors in by Hugging Face name; raise naming any missing parameter.
+        Under tensor parallelism a tensor may come whole or already cut to this rank's slice
+        (`checkpoint_slice`, as model_loader reads it); a whole one is cut here."""
         params = dict(self.named_parameters())
         loaded: dict[str, int] = {}
         for name, tensor in weights:
@@ -118,6 +168,11 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
+            spec = self.checkpoint_slice(name)
+            if spec is not None:
+                dim, start, end, full = spec
+                if tensor.dim() > dim and tensor.shape[dim] == full != end - start:
+                    tensor = tensor.narrow(dim, start, end - start)
             target, bounds = name, None
             for frag, (fused, shard) in _STACKED.items():
                 if frag in name:
@@ -127,10 +182,14 @@ class LlamaForCausalLM(nn.Module):
             if param is None:
                 raise ModelLoadError(
                     f"checkpoint tensor {name!r} has no place in this {self.config.architecture} model")
+            if bounds is None and spec is not None and spec[0] == 0 and name.endswith("weight") and (
+                    "embed_tokens" in name or name == "lm_head.weight"):
+                bounds = (0, spec[2] - spec[1])  # a vocabulary shard: the padding rows stay zero
             dest = param.data if bounds is None else param.data[bounds[0]:bounds[1]]
             if dest.shape != tensor.shape:
                 raise ModelLoadError(
                     f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                    + (f" (rank {self.tp.rank} of {self.tp.size}'s slice)" if self.tp.size > 1 else "")
                 )
             dest.copy_(tensor)
             loaded[target] = loaded.get(target, 0) + 1

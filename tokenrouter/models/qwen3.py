@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
+from tokenrouter.distributed.group import TPGroup
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         if not cfg.qk_norm:
             raise ValueError("Qwen3ForCausalLM needs a qwen3 config (q/k norm)")
-        super().__init__(cfg)
+        super().__init__(cfg, tp)

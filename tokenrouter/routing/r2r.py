@@ -37,7 +37,7 @@ class R2R(DeferToLarge):
         if model == self.small:
             self.router = load_router(self.router_path, "r2r")
             self.router.check_pair("small", engine_fingerprint(engine))
-            self.embed = engine.model.model.embed_tokens.weight  # the small model's own, frozen
+            self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
 
     @torch.inference_mode()
     def defer(self, step: StepOutput) -> torch.Tensor:

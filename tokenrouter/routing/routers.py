@@ -159,7 +159,7 @@ def router_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
 def engine_fingerprint(engine: Any) -> str:
     """The fingerprint of the model an engine serves (see model_fingerprint)."""
     config = json.loads((Path(engine.cfg.model_path) / "config.json").read_text())
-    return model_fingerprint(config, engine.model.model.embed_tokens.weight)
+    return model_fingerprint(config, engine.embedding_weight())
 
 
 def load_router(folder: str | Path, kind: str | None = None) -> LoadedRouter:
