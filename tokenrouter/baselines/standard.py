@@ -32,9 +32,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +42,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+from tokenrouter.bench.server_process import ManagedProcess, free_port
 
 logger = logging.getLogger(__name__)
 
@@ -498,114 +497,6 @@ def main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------
 # Launcher: two plain servers + the coordinator, for benchmarks and tests
 # --------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = [int(x) for x in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            out.extend(kids)
-            todo.extend(kids)
-    return out
-
-
-class ManagedProcess:
-    """A server subprocess in its own session (so its children can be found and killed), logging to a
-    file, with a /health URL."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log_dir: Path, cores: Sequence[int] | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.name, self.port = name, port
-        self.url = f"http://127.0.0.1:{port}"
-        if cores:
-            cmd = ["taskset", "-c", ",".join(str(c) for c in cores), *cmd]
-        self.cmd = cmd
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env,
-                                     start_new_session=True)
-        self.pids: set[int] = {self.proc.pid}
-        self._terminated = False
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text()[-n:]
-        except OSError:
-            return ""
-
-    def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited early with code {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not become healthy in {timeout:.0f} s:\n{self.log_tail()}")
-            time.sleep(0.25)
-        self.pids.update(_descendants(self.proc.pid))
-
-    def terminate(self) -> None:
-        """Send SIGTERM once (a second one would cut uvicorn's graceful shutdown short)."""
-        if self.proc.poll() is None:
-            self.pids.update(_descendants(self.proc.pid))
-            if not self._terminated:
-                self._terminated = True
-                self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM, wait, then SIGKILL the process and everything it started."""
-        self.terminate()
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        # Children that outlived their parent (they share its session and process group).
-        deadline = time.monotonic() + 5.0
-        while any(_pid_alive(p) for p in self.pids - {self.proc.pid}) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        for pid in self.pids - {self.proc.pid}:
-            if _pid_alive(pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        self._log.close()
-
-    def alive_pids(self) -> list[int]:
-        return [p for p in self.pids if _pid_alive(p)]
 
 
 def start_plain_server(name: str, model_path: str | Path, log_dir: Path, cores: Sequence[int] | None = None,
