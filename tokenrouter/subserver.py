@@ -8,11 +8,9 @@ engine know nothing of sockets; this file is the only place that joins them.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from typing import Any
@@ -24,6 +22,7 @@ from tokenrouter.engine import Engine
 from tokenrouter.group_config import GroupConfig, ModelSpec
 from tokenrouter.latency_model import InterferenceClock, LatencyModelRunner
 from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
+from tokenrouter.lifetime import die_with_parent
 from tokenrouter.messages import (
     STEP_LATENCY_BUCKETS,
     Abort,
@@ -306,20 +305,10 @@ class Subserver:
         self.ctx.term()
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent dies (no orphans even on SIGKILL of the entry)."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: str,
                    entry_address: str, parent_pid: int) -> None:
     """Process entry point (spawned by the entry): configure threads and cores, then serve."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model = ModelSpec(**spec)

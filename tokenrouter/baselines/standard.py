@@ -271,11 +271,10 @@ class Coordinator:
 
 def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
     """The coordinator's FastAPI app: POST /v1/completions, GET /v1/models, GET /health."""
-    import pydantic
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from tokenrouter.server.protocol import APIError, CompletionRequest, validation_message
+    from tokenrouter.server.protocol import APIError, CompletionRequest, parse_request
 
     if tokenizer is None:
         from tokenrouter.tokenizer import load_tokenizer
@@ -318,20 +317,7 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_auth(request)
-        raw = await request.body()
-        try:
-            json.loads(raw)
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
-        try:
-            body = CompletionRequest.model_validate_json(raw)
-        except pydantic.ValidationError as e:
-            msg, param = validation_message(e)
-            raise APIError(400, msg, param=param) from None
-        if body.model != cfg.model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {cfg.model_name!r}",
-                           param="model", code="model_not_found")
-        body.check_common()
+        body = parse_request(await request.body(), CompletionRequest, cfg.model_name)
         prompt = body.single_prompt()
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = body.sampling(1, body.logprobs)  # validates the sampling fields as the plain server does

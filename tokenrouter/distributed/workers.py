@@ -17,7 +17,6 @@ the workers (killing any that do not leave in time).
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import datetime
 import logging
@@ -32,6 +31,7 @@ import torch.distributed as dist
 
 from tokenrouter.distributed.group import TPGroup
 from tokenrouter.distributed.step import broadcast_stop, receive_batch
+from tokenrouter.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -164,16 +164,6 @@ class TensorParallel:
 
 # ---- the worker process ------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when its parent (rank 0) dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
 def _worker_sync(group: TPGroup, store: Any, error: BaseException | None) -> bool:
     if error is not None:
         store.set(f"error/{group.rank}", f"{type(error).__name__}: {error}")
@@ -182,7 +172,7 @@ def _worker_sync(group: TPGroup, store: Any, error: BaseException | None) -> boo
 
 def worker_main(cfg: dict[str, Any], rank: int, size: int, port: int, device_name: str, parent_pid: int) -> None:
     """Process entry point of tensor-parallel rank `rank` (spawned by rank 0's engine)."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when we stop
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if os.getppid() != parent_pid:

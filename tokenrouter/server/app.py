@@ -23,7 +23,7 @@ from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    validation_message,
+    parse_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -111,20 +111,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
             body += part
             if len(body) > cfg.max_body_bytes:
                 raise APIError(413, f"the request body is over {cfg.max_body_bytes} bytes", code="body_too_large")
-        try:
-            json.loads(body)
-        except ValueError:
-            raise APIError(400, "the request body is not valid JSON") from None
-        try:
-            req = model.model_validate_json(body)
-        except pydantic.ValidationError as e:
-            msg, param = validation_message(e)
-            raise APIError(400, msg, param=param) from None
-        if req.model != cfg.model_name:
-            raise APIError(404, f"the model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
-                           param="model", code="model_not_found")
-        req.check_common()
-        return req
+        return parse_request(body, model, cfg.model_name)
 
     def context_len() -> int:
         assert runtime.entry is not None

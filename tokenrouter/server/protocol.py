@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenrouter.sampling_params import SamplingParams
@@ -127,3 +129,21 @@ def validation_message(exc: Any) -> tuple[str, str | None]:
     loc = ".".join(str(x) for x in err.get("loc", ()))
     msg = err.get("msg", "invalid value")
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
+
+
+def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: str) -> Any:
+    """A request body as `model`, for the model named `served_name`; APIError (400/404) otherwise."""
+    try:
+        json.loads(raw)
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    try:
+        req = model.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(400, msg, param=param) from None
+    if req.model != served_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_name!r}",
+                       param="model", code="model_not_found")
+    req.check_common()
+    return req
