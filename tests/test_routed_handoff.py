@@ -88,7 +88,8 @@ def test_pending_request_keeps_its_pages_on_the_sender(rig_factory, monkeypatch)
         assert small.cache.total_pages == 0
         small.check_integrity()
     assert small.scheduler.num_preemptions == 0
-    rig.collect(100)
+    # The token messages travel over zmq: wait for all six rather than for the first batch to arrive.
+    rig.wait_entry(lambda: len(rig.tokens("B")) >= 6, "B's six tokens at the entry")
     assert [(m, pos) for m, pos, _ in rig.tokens("B")] == [("small", len(b_prompt) + i) for i in range(6)]
     assert rig.tokens("A") == []
 
