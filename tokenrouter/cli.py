@@ -237,12 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(func=cmd_profile)
 
     from tokenrouter.bench.cli import add_bench_parser
+    from tokenrouter.joiner import add_subserver_parser
     from tokenrouter.planner.cli import add_plan_parser
     from tokenrouter.training.cli import add_train_router_parser
 
     add_plan_parser(sub)
     add_bench_parser(sub)
     add_train_router_parser(sub)
+    add_subserver_parser(sub)
     from tokenrouter.baselines.standard import add_standard_parser
 
     bl = sub.add_parser("baseline", help="baseline systems to compare against (standard serving)")

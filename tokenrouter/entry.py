@@ -25,13 +25,17 @@ from typing import Any, NamedTuple
 import msgspec
 import zmq
 
+from tokenrouter.connection_watch import ConnectionWatch
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.latency_model import StepLatency, create_flags
+from tokenrouter.launchers import RemoteSubserver
+from tokenrouter.launchers.join import JoinDesk, JoinedSubserver
 from tokenrouter.messages import (
     Abort,
     Active,
     AddReq,
     Finished,
+    Join,
     Ready,
     ReqError,
     SetThresholds,
@@ -44,6 +48,8 @@ from tokenrouter.messages import (
     decode,
     encode,
 )
+from tokenrouter.model_identity import vocab_hash
+from tokenrouter.placement import plan_placement
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
 from tokenrouter.sampling_params import SamplingParams
@@ -121,8 +127,8 @@ class Entry:
             self.bind_addresses = {n: f"ipc://{self._dir}/{n}-{tag}" for n in group.names}
             entry_bind = f"ipc://{self._dir}/entry-{tag}"
         else:
-            self.bind_addresses = {m.name: f"tcp://{m.host}:*" for m in group.models}
-            entry_bind = "tcp://127.0.0.1:*"
+            self.bind_addresses = {m.name: f"tcp://{m.host}:{m.port or '*'}" for m in group.models}
+            entry_bind = f"tcp://{group.entry_host}:{group.entry_port or '*'}"
         self.ctx = zmq.Context()
         self.keys = group.curve_keys()
         self._auth = start_authenticator(self.ctx, self.keys) if self.keys else None
@@ -131,7 +137,9 @@ class Entry:
         self.inbox.bind(entry_bind)
         self.entry_address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbox: dict[str, zmq.Socket] = {}  # connected as each subserver reports its address
-        self.procs: dict[str, Any] = {}
+        self.procs: dict[str, Any] = {}  # the subservers spawned here (multiprocessing.Process)
+        self.remote: dict[str, RemoteSubserver] = {}  # joined or Ray-launched ones
+        self.joins: JoinDesk | None = None
         self.info: dict[str, Ready] = {}
         self.reqs: dict[str, EntryReq] = {}  # by caller's rid
         self._by_wire: dict[str, EntryReq] = {}
@@ -147,8 +155,10 @@ class Entry:
         self._flags: Any = None
         atexit.register(self.close)
         try:
-            self._start()
+            # Before the subservers: joiners are checked against the entry model's vocabulary.
             self.tokenizer = load_tokenizer(group.spec(self.algorithm.entry_model).path)
+            self.vocab_hash = vocab_hash(self.tokenizer)
+            self._start()
             self._check_one_vocabulary()
         except BaseException:
             self.close()
@@ -180,13 +190,10 @@ class Entry:
         return ctl
 
     def _check_one_vocabulary(self) -> None:
-        """Token ids travel between models, so every model a request may visit must share the vocabulary."""
-        vocab = self.tokenizer.get_vocab()
+        """Token ids travel between models, so every model a request may visit must share the vocabulary
+        (each subserver reports a hash of its own, wherever it runs)."""
         for name in self.visit:
-            if name == self.algorithm.entry_model:
-                continue
-            other = load_tokenizer(self.group.spec(name).path).get_vocab()
-            if other != vocab:
+            if self.info[name].vocab_hash != self.vocab_hash:
                 raise ValueError(
                     f"models {self.algorithm.entry_model!r} and {name!r} have different vocabularies; "
                     f"{self.algorithm.name} passes token ids between models, so they must share one tokenizer")
@@ -194,52 +201,101 @@ class Entry:
     # ---- processes -------------------------------------------------------------------------
     def _start(self) -> None:
         spawn = mp.get_context("spawn")
+        for line in plan_placement(self.group):  # fixes co-located models' KV budgets before they start
+            logger.info("%s", line)
         group_dict = self.group.to_dict()
         if self.group.executor.get("mode") == "latency":
             self._flags = create_flags()  # co-located models' running flags, for interference
             group_dict["executor"] = {**group_dict["executor"], "flags": self._flags.name,
                                       "profile": self.group.latency_profile().to_dict()}
         for spec in self.group.models:
-            proc = spawn.Process(
-                target=subserver_main, name=f"tokenrouter-{spec.name}",
-                args=(dataclasses.asdict(spec), group_dict, self.bind_addresses[spec.name], self.entry_address,
-                      os.getpid()))
-            proc.start()
-            self.procs[spec.name] = proc
-        deadline = time.monotonic() + self.group.startup_timeout
-        while len(self.info) < len(self.procs):
-            if time.monotonic() > deadline:
-                missing = sorted(set(self.procs) - set(self.info))
-                raise SubserverDied(f"subserver(s) {', '.join(missing)} not ready after "
-                                    f"{self.group.startup_timeout:.0f} s")
+            if spec.launcher == "spawn":
+                proc = spawn.Process(
+                    target=subserver_main, name=f"tokenrouter-{spec.name}",
+                    args=(dataclasses.asdict(spec), group_dict, self.bind_addresses[spec.name], self.entry_address,
+                          os.getpid()))
+                proc.start()
+                self.procs[spec.name] = proc
+            elif spec.launcher == "ray":
+                from tokenrouter.launchers.ray_actor import RaySubserver
+
+                self.remote[spec.name] = RaySubserver(spec, group_dict, self.entry_address, self.group.ray)
+        joining = [m.name for m in self.group.models if m.launcher == "join"]
+        if joining:
+            self.joins = JoinDesk(self.group, self.ctx, self.keys, self.vocab_hash)
+            logger.info("waiting up to %.0f s for %s to join: on its host run `tokenrouter subserver --join %s "
+                        "--name NAME`", self.group.join_timeout, ", ".join(joining), self.entry_address)
+        started = time.monotonic()
+        while len(self.info) < len(self.group.models):
+            self._check_startup(started)
             for msg in self._recv(timeout=0.2):
                 if isinstance(msg, Ready):
-                    self.info[msg.model] = msg
-                    sock = self.ctx.socket(zmq.PUSH)
-                    sock.setsockopt(zmq.SNDHWM, 0)
-                    sock.setsockopt(zmq.LINGER, 500)
-                    secure_client(sock, self.keys)
-                    sock.connect(msg.address)
-                    self.outbox[msg.model] = sock
+                    self._ready(msg)
+                elif isinstance(msg, Join) and self.joins is not None:
+                    self.joins.handle(msg)
                 elif isinstance(msg, ReqError) and msg.rid is None:
                     raise SubserverDied(f"subserver {msg.model!r} failed to start: {msg.message}")
             self._check_alive(force=True)
         topology = Topology({n: r.address for n, r in self.info.items()})
         for name in self.group.names:
             self._send(name, topology)
+        for name, r in self.info.items():
+            spec = self.group.spec(name)
+            logger.info("model %r (%s, %s): KV pool %d tokens in %d pages of %d, context %d, inbox %s", name,
+                        spec.launcher, spec.device, r.capacity_tokens, r.capacity_tokens // r.page_size,
+                        r.page_size, r.max_model_len, r.address)
+
+    def _check_startup(self, started: float) -> None:
+        """Bounded waits: for joiners to join, then for every subserver to load its model."""
+        now = time.monotonic()
+        late = [n for n in self.group.names if n not in self.info and now - self._started_at(n, started)
+                > self.group.startup_timeout]
+        if late:
+            raise SubserverDied(f"subserver(s) {', '.join(late)} not ready after {self.group.startup_timeout:.0f} s")
+        if self.joins is not None and self.joins.waiting and now - started > self.group.join_timeout:
+            raise SubserverDied(
+                f"model(s) {', '.join(self.joins.waiting)} did not join within {self.group.join_timeout:.0f} s: "
+                f"on its host run `tokenrouter subserver --join {self.entry_address} --name NAME` with the "
+                "group's secret")
+
+    def _started_at(self, name: str, started: float) -> float:
+        if self.group.spec(name).launcher != "join":
+            return started
+        assert self.joins is not None
+        return self.joins.joined[name][0] if name in self.joins.joined else math.inf
+
+    def _ready(self, msg: Ready) -> None:
+        """Connect to a subserver that has loaded its model. A joined one is accepted only after its Join
+        passed the checks, and is watched through this connection (it is not our child)."""
+        launcher = self.group.spec(msg.model).launcher if msg.model in self.group.names else None
+        if launcher is None or msg.model in self.info or (
+                launcher == "join" and (self.joins is None or msg.model not in self.joins.joined)):
+            logger.warning("entry: ignored an unexpected Ready from %r at %s", msg.model, msg.address)
+            return
+        self.info[msg.model] = msg
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 500)
+        secure_client(sock, self.keys)
+        if launcher == "join":
+            self.remote[msg.model] = JoinedSubserver(msg.model, msg.address, ConnectionWatch(sock))
+        sock.connect(msg.address)
+        self.outbox[msg.model] = sock
 
     def _check_alive(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last_liveness < 0.5:
             return
         self._last_liveness = now
-        for name, proc in self.procs.items():
-            if not proc.is_alive():
-                # A crash report may be on its way; prefer its message to the bare exit code.
-                for msg in self._recv(timeout=0.2):
-                    if isinstance(msg, ReqError) and msg.rid is None:
-                        raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
-                raise SubserverDied(f"subserver {name!r} (pid {proc.pid}) exited with code {proc.exitcode}")
+        gone = [(n, f"subserver {n!r} (pid {p.pid}) exited with code {p.exitcode}")
+                for n, p in self.procs.items() if not p.is_alive()]
+        gone += [(n, why) for n, h in self.remote.items() if (why := h.failure()) is not None]
+        if gone:
+            # A crash report may be on its way; prefer its message to the bare exit code.
+            for msg in self._recv(timeout=0.2):
+                if isinstance(msg, ReqError) and msg.rid is None:
+                    raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
+            raise SubserverDied(gone[0][1])
 
     def _recv(self, timeout: float) -> list[Any]:
         msgs = []
@@ -467,21 +523,29 @@ class Entry:
         if self._closed:
             return
         self._closed = True
-        for name, proc in self.procs.items():
-            if name not in self.outbox:
-                proc.terminate()  # never reported ready: nothing to drain
-                continue
+        for name in self.outbox:
             try:
                 self._send(name, Shutdown())
             except zmq.ZMQError:
                 pass
+        for name, proc in self.procs.items():
+            if name not in self.outbox:
+                proc.terminate()  # never reported ready: nothing to drain
+        for name, handle in self.remote.items():
+            if name not in self.outbox:
+                handle.kill()
         deadline = time.monotonic() + 5.0
         for proc in self.procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
+        for name, handle in self.remote.items():
+            if name in self.outbox and not handle.wait(max(0.0, deadline - time.monotonic())):
+                handle.kill()
         for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()
                 proc.join(2.0)
+        for handle in self.remote.values():
+            handle.close()
         for sock in (self.inbox, *self.outbox.values()):
             sock.close(linger=0)
         if self._auth is not None:

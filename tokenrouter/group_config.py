@@ -13,6 +13,9 @@ from tokenrouter.latency_model import LatencyProfile
 from tokenrouter.launch_policy import Thresholds, check_deadlock_free
 from tokenrouter.transport_security import CurveKeys, keys_from_secret
 
+LAUNCHERS = ("spawn", "join", "ray")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 @dataclass
 class ModelSpec:
@@ -33,6 +36,13 @@ class ModelSpec:
     enable_prefix_cache: bool = True
     attention_backend: str = "torch"
     host: str = "127.0.0.1"  # interface the subserver listens on with the tcp transport
+    port: int = 0  # its inbox port with the tcp transport (0: any free port), for firewalls
+    # Who starts the subserver: "spawn" (a child of the entry), "join" (started by hand on its host with
+    # `tokenrouter subserver --join`), or "ray" (a Ray actor on the cluster of the group's `ray` section).
+    launcher: str = "spawn"
+    # Co-location: this model's fraction of its device's KV memory; models without one split the rest so
+    # that they hold equal tokens (admission reserves the same tokens on every model a request visits).
+    kv_share: float | None = None
     # Tensor parallelism: the subserver is rank 0 and spawns tp_size - 1 worker processes (each with
     # `threads` torch threads; on CUDA rank r uses the GPU r places after `device`).
     tp_size: int = 1
@@ -64,6 +74,16 @@ class GroupConfig:
     # latency-model executor (model folders then give only config and tokenizer, no weights).
     executor: dict[str, Any] = field(default_factory=lambda: {"mode": "model"})
     startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model
+    # Where the entry's inbox listens with the tcp transport; joiners and Ray actors connect here, so
+    # with either give an address they can reach (and a fixed port for `--join`).
+    entry_host: str = "127.0.0.1"
+    entry_port: int = 0
+    join_timeout: float = 600.0  # seconds to wait for every "join" model to join
+    ray: dict[str, Any] = field(default_factory=dict)  # {"address": "auto" | "HOST:PORT", "namespace": ...}
+    # Share of each device's memory (host memory on CPU) that the models placed on it may use for
+    # weights and KV together; the entry splits it between their KV pools (placement.py). None: each
+    # engine sizes its own pool, except that co-located CUDA models are planned with 0.9.
+    memory_fraction: float | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -72,7 +92,7 @@ class GroupConfig:
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
         if self.secret is None:
             self.secret = os.environ.get("TOKENROUTER_SECRET") or None
-        open_hosts = [m.host for m in self.models if m.host not in ("127.0.0.1", "localhost", "::1")]
+        open_hosts = [h for h in [self.entry_host, *(m.host for m in self.models)] if h not in LOOPBACK]
         if self.transport == "tcp" and open_hosts and not self.secret:
             raise ValueError(f"subservers listening on {', '.join(open_hosts)} need a shared secret "
                              "(secret: in the config, or $TOKENROUTER_SECRET)")
@@ -84,6 +104,11 @@ class GroupConfig:
                 raise ValueError(f"model name {m.name!r} must be letters, digits, '-' or '_'")
             if isinstance(m.tp_size, bool) or not isinstance(m.tp_size, int) or m.tp_size < 1:
                 raise ValueError(f"model {m.name!r}: tp_size must be an integer >= 1, got {m.tp_size!r}")
+            self._check_placement(m)
+        if self.memory_fraction is not None and not 0.0 < self.memory_fraction < 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1), got {self.memory_fraction}")
+        if not 0 <= self.entry_port <= 65535:
+            raise ValueError(f"entry_port must be in [0, 65535], got {self.entry_port}")
         self.launch_thresholds()  # validates the launch settings
         mode = self.executor.get("mode", "model")
         if mode not in ("model", "latency"):
@@ -92,6 +117,24 @@ class GroupConfig:
             missing = sorted(set(self.names) - set(self.latency_profile().models))
             if missing:
                 raise ValueError(f"the latency profile has no step latency for model(s) {', '.join(missing)}")
+
+    def _check_placement(self, m: ModelSpec) -> None:
+        if m.launcher not in LAUNCHERS:
+            raise ValueError(f"model {m.name!r}: launcher must be one of {', '.join(LAUNCHERS)}, got {m.launcher!r}")
+        if m.launcher != "spawn":
+            if self.transport != "tcp":
+                raise ValueError(f"model {m.name!r}: launcher {m.launcher!r} runs it in another process tree "
+                                 "(often another host), which only the tcp transport reaches: set transport: tcp")
+            if self.executor.get("mode") == "latency":
+                raise ValueError(f"model {m.name!r}: the latency executor's interference flags live in this "
+                                 "machine's shared memory; use launcher: spawn with it")
+        if not 0 <= m.port <= 65535:
+            raise ValueError(f"model {m.name!r}: port must be in [0, 65535], got {m.port}")
+        if m.kv_share is not None and not 0.0 < m.kv_share <= 1.0:
+            raise ValueError(f"model {m.name!r}: kv_share must be in (0, 1], got {m.kv_share}")
+        if self.memory_fraction is not None and m.mem_fraction is not None:
+            raise ValueError(f"model {m.name!r}: mem_fraction sizes one pool from what is free when it starts; "
+                             "with the group's memory_fraction the entry splits the device, use kv_share")
 
     def planner_profile(self) -> LatencyProfile | None:
         """The step latencies the planner uses: the launch section's profile, or the latency

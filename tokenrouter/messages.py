@@ -6,6 +6,7 @@ from typing import Any, Union
 
 import msgspec
 
+from tokenrouter.model_identity import ModelIdentity
 from tokenrouter.routing.peer_req import PeerReq
 from tokenrouter.sampling_params import SamplingParams
 
@@ -105,6 +106,28 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     vocab_size: int
     latency: dict[str, Any] | None = None  # StepLatency measured at start-up, when the planner asked for it
+    vocab_hash: str = ""  # model_identity.vocab_hash of its tokenizer
+
+
+class Join(msgspec.Struct, tag="join"):
+    """A subserver started by hand on another host -> the entry: I serve `model`, my inbox is `address`."""
+
+    model: str
+    address: str
+    identity: ModelIdentity
+    host: str  # for the entry's log: who joined
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    """Entry -> joiner: accepted; the group config (its model's spec included) to load and serve."""
+
+    group: dict[str, Any]
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    """Entry -> joiner: not accepted, and why."""
+
+    reason: str
 
 
 class ReqError(msgspec.Struct, tag="error"):
@@ -138,7 +161,7 @@ class Stats(msgspec.Struct, tag="stats"):
 
 
 Message = Union[AddReq, Abort, Active, SetThresholds, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished,
-                Ready, ReqError, Stats]
+                Ready, ReqError, Stats, Join, Welcome, Refused]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from tokenrouter.connection_watch import ConnectionWatch
 from tokenrouter.engine import Engine
 from tokenrouter.group_config import GroupConfig, ModelSpec
 from tokenrouter.latency_model import InterferenceClock, LatencyModelRunner
@@ -43,6 +44,7 @@ from tokenrouter.messages import (
     decode,
     encode,
 )
+from tokenrouter.model_identity import vocab_hash
 from tokenrouter.model_runner import StepOutput
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.req import Req
@@ -59,7 +61,10 @@ class Subserver:
     entry makes them so): an aborted id is remembered, to drop hand-offs of it still in flight."""
 
     def __init__(self, spec: ModelSpec, group: GroupConfig, bind_address: str, entry_address: str,
-                 parent_pid: int | None = None) -> None:
+                 parent_pid: int | None = None, advertise_host: str | None = None,
+                 watch_entry: bool = False) -> None:
+        """`advertise_host`: the host others reach the inbox at when it binds a wildcard interface.
+        `watch_entry`: not the entry's child (joined, or a Ray actor), so exit when its connection drops."""
         self.name = spec.name
         self.parent_pid = parent_pid
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
@@ -87,7 +92,10 @@ class Subserver:
         secure_server(self.inbox, self.keys)
         self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here
         self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.to_entry = self._push(entry_address)
+        if advertise_host:
+            self.address = f"tcp://{advertise_host}:{self.address.rsplit(':', 1)[1]}"
+        self.entry_watch: ConnectionWatch | None = None
+        self.to_entry = self._push(entry_address, watch=watch_entry)
         self.to_peer: dict[str, zmq.Socket] = {}  # connected when the Topology message arrives
         # rid -> {peer: number of this request's tokens that peer holds}
         self.known: dict[str, dict[str, int]] = {}
@@ -99,11 +107,13 @@ class Subserver:
         self.step_seconds_sum = 0.0
         self.step_buckets = [0] * (len(STEP_LATENCY_BUCKETS) + 1)
 
-    def _push(self, address: str) -> zmq.Socket:
+    def _push(self, address: str, watch: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)  # never block the decode loop on a slow reader
         sock.setsockopt(zmq.LINGER, 1000)
         secure_client(sock, self.keys)
+        if watch:
+            self.entry_watch = ConnectionWatch(sock)
         sock.connect(address)
         return sock
 
@@ -119,7 +129,8 @@ class Subserver:
 
             latency = measure_engine(eng, (1, 4, 16), context=64, steps=3, progress=False).to_dict()
         self._send(self.to_entry, Ready(self.name, self.address, os.getpid(), eng.pool.capacity_tokens,
-                                        eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency))
+                                        eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency,
+                                        vocab_hash(eng.tokenizer) if eng.tokenizer is not None else ""))
         last_check = time.monotonic()
         while self.running:
             busy = eng.scheduler.has_work()
@@ -134,6 +145,9 @@ class Subserver:
     def _housekeeping(self, now: float) -> None:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("%s: entry process is gone, exiting", self.name)
+            self.running = False
+        if self.entry_watch is not None and self.entry_watch.gone():
+            logger.error("%s: the connection to the entry dropped, exiting", self.name)
             self.running = False
         for rid in [r for r, t in self.aborted.items() if now - t > _ABORT_MEMORY_S]:
             del self.aborted[rid]
@@ -298,6 +312,8 @@ class Subserver:
             self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
         if self.clock is not None:
             self.clock.close()
+        if self.entry_watch is not None:
+            self.entry_watch.close()
         for sock in (self.inbox, self.to_entry, *self.to_peer.values()):
             sock.close(linger=500)
         if self._auth is not None:
@@ -305,24 +321,26 @@ class Subserver:
         self.ctx.term()
 
 
-def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: str,
-                   entry_address: str, parent_pid: int) -> None:
-    """Process entry point (spawned by the entry): configure threads and cores, then serve."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
+def configure_process(model: ModelSpec) -> None:
+    """Threads and cores as the spec asks (oversubscribed cores make torch 5-13x slower)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model = ModelSpec(**spec)
     if model.cores:
         os.sched_setaffinity(0, model.cores)
     import torch
 
     torch.set_num_threads(model.threads)
-    cfg = GroupConfig.from_dict(group)
+
+
+def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry_address: str,
+                    parent_pid: int | None = None, advertise_host: str | None = None,
+                    watch_entry: bool = False) -> None:
+    """Load and serve until Shutdown; a failure is reported to the entry (which turns it into a clear
+    error) and raised again."""
     server = None
     try:
-        server = Subserver(model, cfg, bind_address, entry_address, parent_pid)
+        server = Subserver(model, cfg, bind_address, entry_address, parent_pid, advertise_host, watch_entry)
         server.run()
-    except BaseException as e:  # report, then die: the entry turns this into a clear error
+    except BaseException as e:
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 2000)
@@ -331,7 +349,20 @@ def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: st
         msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
         sock.send(encode(ReqError(model.name, None, msg)))
         sock.close()
-        raise SystemExit(1) from e
+        raise
     finally:
         if server is not None:
             server.close()
+
+
+def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: str,
+                   entry_address: str, parent_pid: int) -> None:
+    """Process entry point (spawned by the entry): configure threads and cores, then serve."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
+    model = ModelSpec(**spec)
+    configure_process(model)
+    try:
+        serve_subserver(model, GroupConfig.from_dict(group), bind_address, entry_address, parent_pid)
+    except BaseException as e:
+        raise SystemExit(1) from e
