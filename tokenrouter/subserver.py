@@ -132,11 +132,13 @@ class Subserver:
                                         eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency,
                                         vocab_hash(eng.tokenizer) if eng.tokenizer is not None else ""))
         last_check = time.monotonic()
+        stepped = False
         while self.running:
-            busy = eng.scheduler.has_work()
-            self._drain(timeout_ms=0 if busy else 100)
-            if self.running and eng.scheduler.has_work():
-                self._step()
+            # Block on the inbox unless the last pass ran a step: requests held below the launch
+            # threshold wait for a message (a hand-off, a new live count), and polling for it would
+            # spin a core that the co-located model needs.
+            self._drain(timeout_ms=0 if stepped else 100)
+            stepped = self.running and eng.scheduler.has_work() and self._step()
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
@@ -234,17 +236,18 @@ class Subserver:
                 self.pending_seconds += time.monotonic() - since
         self.known[rid][msg.sender] = peer.loc + len(peer.suffix)
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Run one step if the scheduler launches one; whether it did."""
         eng = self.engine
         t0 = time.perf_counter()
         out = eng.forward_step()
         if out is None:
-            return
+            return False
         took = time.perf_counter() - t0
         self.step_seconds_sum += took
         self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
         if not out.reqs:
-            return
+            return True
         routes = self.algorithm.route(self.name, out)
         now = time.monotonic()
         events: list[TokenEvent] = []
@@ -267,6 +270,7 @@ class Subserver:
             self._finished(req)
         for req, dest in handoffs:
             self._handoff(req, dest, now)
+        return True
 
     @staticmethod
     def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
