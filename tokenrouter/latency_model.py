@@ -26,6 +26,7 @@ import torch
 from tokenrouter.model_runner import StepOutput
 from tokenrouter.req import Req
 from tokenrouter.routing.draws import uniform
+from tokenrouter.step_trace import StepTraceWriter
 
 _TOKEN_STREAM = 0x70CE_4A11
 _TICK = 0.0005  # seconds between progress updates while a peer may be running
@@ -160,9 +161,12 @@ class LatencyModelRunner:
         self.latency = latency
         self.clock = clock
         self.allowed = torch.tensor([t for t in range(vocab_size) if t not in eos_ids], dtype=torch.int64)
+        self.trace = StepTraceWriter.from_env()
 
     def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
+        start = time.perf_counter()
         self.clock.work(self.latency(len(reqs), sum(extend_lens)))
+        self.trace.write(self.clock.me, start, time.perf_counter(), [r.rid for r in reqs], list(extend_lens))
         sampled = [r for r, n in zip(reqs, extend_lens) if r.kv_len + n == len(r.tokens)]
         if not sampled:
             return StepOutput([], [], None, None, None, None, None, None)

@@ -1,0 +1,37 @@
+"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter.step_trace)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenrouter.step_trace import ENV, Step, StepTraceWriter, read_trace, runtime_costs
+
+
+def test_trace_writer_and_reader(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path))
+    w = StepTraceWriter.from_env()
+    w.write(0, 1.0, 1.5, ["a"], [1])
+    w.write(1, 2.0, 2.5, ["a", "b"], [10, 3])
+    assert [s.rids for s in read_trace(str(tmp_path))] == [["a"], ["a", "b"]]
+    assert [s.model for s in read_trace(str(tmp_path), start=1.5)] == [1]
+    monkeypatch.delenv(ENV)
+    StepTraceWriter.from_env().write(0, 0.0, 1.0, [], [])  # tracing off: nothing written
+    assert len(list(tmp_path.iterdir())) == 1
+    assert json.loads((next(tmp_path.iterdir())).read_text().splitlines()[0])[3] == ["a"]
+
+
+def test_runtime_costs_from_a_trace():
+    steps = [
+        Step(0, 0.000, 0.010, ["a", "b"], [1, 1]),  # a hands off after this step
+        Step(1, 0.011, 0.031, ["a"], [5]),  # L was idle: hand-off latency 1 ms
+        Step(0, 0.012, 0.022, ["b", "c"], [1, 1]),  # S gap 2 ms; b hands off
+        Step(0, 0.025, 0.035, ["c"], [1]),  # S gap 3 ms
+        Step(1, 0.032, 0.052, ["b"], [1]),  # L busy when b came: queueing, not hand-off latency
+        Step(0, 0.100, 0.110, ["c"], [1]),  # an idle period, not overhead
+    ]
+    costs = runtime_costs(sorted(steps, key=lambda s: s.start))
+    assert costs.s_step_gap == pytest.approx(0.0025)
+    assert costs.l_step_gap == pytest.approx(0.001)
+    assert costs.handoff == pytest.approx(0.001) and costs.handoffs == 1  # b found L busy: queueing
