@@ -114,3 +114,25 @@ def test_planner_measures_latencies_at_start_up(pair_paths):
         out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=5),
                            use_tqdm=False, timeout=60)
         assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_closed_loop_steady_window_and_step_trace(model_paths, tmp_path, monkeypatch):
+    """The closed loop's steady window lies inside the run, while every request slot is taken, and
+    the traced steps carry each step's batch (the subservers inherit the trace variable)."""
+    from tokenrouter.bench.offline import run_closed_loop
+    from tokenrouter.entry import Entry
+    from tokenrouter.step_trace import ENV, read_trace, runtime_costs
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    entry = Entry(GroupConfig.from_dict(group(model_paths["llama"], p=0.2)))
+    try:
+        res = run_closed_loop(entry, [[1, 2, 3, i] for i in range(6)], SamplingParams(max_tokens=20, ignore_eos=True),
+                              concurrency=3, warmup_tokens=4)
+    finally:
+        entry.close()
+    assert res.output_tokens == 120
+    start, end = res.steady_window
+    assert 0 < end - start < res.wall_seconds and 0 < res.steady_tokens < 120
+    steps = read_trace(str(tmp_path))
+    assert {s.model for s in steps} == {0, 1} and all(len(s.rids) == len(s.extend_lens) for s in steps)
+    assert runtime_costs(steps).s_steps == sum(s.model == 0 for s in steps)

@@ -18,6 +18,16 @@ class OfflineResult:
     latencies: list[float]
     per_user: list[float]
     tokens_per_model: dict[str, int]
+    # Steady state: from the moment every request has written `warmup_tokens` tokens on average to
+    # the first finish after the last admission, i.e. while exactly `concurrency` requests are live.
+    # A closed-loop run's whole-run figure also holds its drain at the end, where fewer are live.
+    steady_window: tuple[float, float] = (0.0, 0.0)  # perf_counter times
+    steady_tokens: int = 0
+
+    @property
+    def steady_throughput(self) -> float:
+        span = self.steady_window[1] - self.steady_window[0]
+        return self.steady_tokens / span if span > 0 else 0.0
 
     @property
     def throughput(self) -> float:
@@ -29,12 +39,14 @@ class OfflineResult:
 
 
 def run_closed_loop(entry: Entry, prompts: list[list[int]], params: SamplingParams, concurrency: int,
-                    seed: int = 0, timeout: float = 3600.0) -> OfflineResult:
+                    seed: int = 0, timeout: float = 3600.0, warmup_tokens: int = 20) -> OfflineResult:
     """Keep `concurrency` requests in flight until every prompt is done (request i uses seed + i)."""
     todo = list(enumerate(prompts))
     live: dict[str, tuple[EntryReq, float]] = {}
     done: list[tuple[EntryReq, float]] = []
     start = time.perf_counter()
+    warm: tuple[float, int] | None = None
+    steady_end: tuple[float, int] | None = None
     while todo or live:
         while todo and len(live) < concurrency:
             i, ids = todo.pop(0)
@@ -47,6 +59,10 @@ def run_closed_loop(entry: Entry, prompts: list[list[int]], params: SamplingPara
                 if req.error is not None:
                     raise RuntimeError(f"request failed: {req.error}")
                 done.append((req, time.perf_counter() - t0))
+                if not todo and steady_end is None:
+                    steady_end = (time.perf_counter(), _written(live, done))
+        if warm is None and _written(live, done) >= warmup_tokens * concurrency:
+            warm = (time.perf_counter(), _written(live, done))
         if time.perf_counter() - start > timeout:
             raise TimeoutError("closed-loop run did not finish")
     wall = time.perf_counter() - start
@@ -57,4 +73,10 @@ def run_closed_loop(entry: Entry, prompts: list[list[int]], params: SamplingPara
     return OfflineResult(
         output_tokens=sum(len(r.output) for r, _ in done), wall_seconds=wall,
         latencies=[lat for _, lat in done], per_user=[len(r.output) / lat for r, lat in done if lat > 0],
-        tokens_per_model=per_model)
+        tokens_per_model=per_model,
+        steady_window=(warm[0], steady_end[0]) if warm and steady_end and steady_end[0] > warm[0] else (0.0, 0.0),
+        steady_tokens=steady_end[1] - warm[1] if warm and steady_end and steady_end[0] > warm[0] else 0)
+
+
+def _written(live: dict[str, tuple[EntryReq, float]], done: list[tuple[EntryReq, float]]) -> int:
+    return sum(len(r.output) for r, _ in live.values()) + sum(len(r.output) for r, _ in done)
