@@ -210,8 +210,10 @@ def test_gaps_to_p():
 # -- the simulator agrees with the chain where the chain is exact -----------------------------------
 
 
-@pytest.mark.parametrize("alpha,B", [(0.0, 1), (1.0, 5), (0.5, 3)])
+@pytest.mark.parametrize("alpha,B", [(0.0, 1), (0.0, 5)])
 def test_simulator_matches_chain(alpha, B):
+    # Separate devices, whole-step L: L launches and returns on S's boundaries, where the aligned
+    # chain is exact for the continuous-time simulator (co-located: tests/test_planner_continuous.py)
     sim = simulate(8, B, 1.0, 4.0, alpha, p=0.1, q_l=0.2, s_steps=20000, seed=3)
     exact = throughput(8, B, 0.1, 1.0, 4.0, alpha, q_l=0.2)
     assert abs(sim.throughput - exact) < max(5 * sim.stderr, 0.02 * exact)

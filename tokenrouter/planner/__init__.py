@@ -18,9 +18,10 @@ from tokenrouter.planner.chain import (
     zero_wait_bound,
 )
 from tokenrouter.planner.latency import Constant, LatencyModel, Linear, Table, as_latency, parse_latency
+from tokenrouter.planner.runtime import Runtime
 
 __all__ = [
     "best_thresholds", "throughput", "throughput_curve", "solve", "plan", "zero_wait_bound", "full_chain",
     "stationary_distribution", "gaps_to_p", "Solution", "PlanRow", "FullChain", "LatencyModel", "Constant",
-    "Linear", "Table", "as_latency", "parse_latency",
+    "Linear", "Table", "as_latency", "parse_latency", "Runtime",
 ]

@@ -81,11 +81,12 @@ What the chain does not cover
   a cap on L's batch, the S-to-L transfer time, and randomness in step latency.
 - S's step latency in the chain is taken at its batch at launch during L steps (see above); the
   chain never makes S wait for L's batch to return before it steps (the asynchronous runtime).
-- Misalignment of S and L steps when r(b) or (1 - alpha) r(b) is not an integer: the chain lets the
-  requests L returns rejoin S at once, while in continuous time S is mid-step and they wait for its
-  next one. Against the simulator (N = 16, p = 0.1, linear latencies) the chain is up to 2.6 % high
-  at alpha = 0 and up to 4.9 % high at alpha = 0.5 (worst at B = 1), exact within noise at alpha = 1;
-  its best B stayed within 0.2 % of the simulator's best (docs/BENCHMARKS.md).
+- Misalignment of S and L steps: this chain lets the requests L returns rejoin S at once, while in
+  the runtime S is mid-step and they wait for its next one (about half an S step on separate
+  devices, a whole one co-located), and it has no hand-off latency or runtime overhead. Measured
+  on the latency-model executor this put its predictions 12-31 % high. `throughput_curve`, `plan`
+  and `best_thresholds` with a `runtime` (tokenrouter.planner.runtime) use the continuous-time
+  chain of tokenrouter.planner.continuous instead, which models all of that.
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ from scipy.sparse.csgraph import breadth_first_order
 from scipy.stats import binom
 
 from tokenrouter.planner.latency import LatencyLike, LatencyModel, as_latency
+from tokenrouter.planner.runtime import Runtime
 
 __all__ = [
     "Solution", "PlanRow", "FullChain", "solve", "throughput", "throughput_curve", "best_thresholds",
@@ -346,11 +348,31 @@ def throughput(n: int, b: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike,
 
 
 def throughput_curve(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                     q_l: float = 0.0) -> np.ndarray:
-    """Tokens per second for every threshold B = 1..n (element B - 1)."""
+                     q_l: float = 0.0, runtime: Runtime | None = None) -> np.ndarray:
+    """Tokens per second for every threshold B = 1..n (element B - 1).
+
+    With a runtime, the continuous-time chain of tokenrouter.planner.continuous on the latencies the
+    runtime sees (catch-up tokens and per-step overheads added, hand-off latency); without one, this
+    module's step-aligned chain (DESIGN.md section 4 as written).
+    """
     _check(n, p, alpha, q_l)
+    if runtime is not None:
+        return np.array([s.throughput for s in _runtime_solutions(n, p, lat_s, lat_l, alpha, q_l, runtime)])
     emb = _build_embedded(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, q_l)
     return np.array([_solve_from(emb, B).throughput for B in range(1, n + 1)])
+
+
+def _runtime_solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, q_l: float,
+                       runtime: Runtime) -> list:
+    # imported here: the continuous chain is built from this module's pieces (binomial tables, the
+    # stationary solve), so this module cannot import it at load time
+    from tokenrouter.planner.continuous import continuous_curve
+
+    if q_l > 0:
+        raise ValueError("the continuous-time chain covers one-token visits to L only (q_L = 0); "
+                         "plan spans without a runtime, or with the simulator")
+    t_s, t_l = runtime.step_latencies(lat_s, lat_l, p, q_l)
+    return continuous_curve(int(n), p, t_s, t_l, alpha, handoff=runtime.handoff)
 
 
 def _pick(curve: np.ndarray, min_gain: float) -> int:
@@ -360,7 +382,7 @@ def _pick(curve: np.ndarray, min_gain: float) -> int:
 
 
 def best_thresholds(n_max: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                    q_l: float = 0.0, min_gain: float = 0.0) -> dict[int, int]:
+                    q_l: float = 0.0, min_gain: float = 0.0, runtime: Runtime | None = None) -> dict[int, int]:
     """The launch threshold B for L that maximises throughput, for every concurrency N = 1..n_max.
 
     Returns {N: B}. With min_gain > 0 the smallest B whose throughput is within a factor
@@ -369,7 +391,8 @@ def best_thresholds(n_max: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike
     if not (isinstance(n_max, (int, np.integer)) and n_max >= 1):
         raise ValueError(f"n_max must be an integer >= 1, got {n_max!r}")
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
-    return {n: _pick(throughput_curve(n, p, lat_s, lat_l, alpha, q_l=q_l), min_gain) for n in range(1, n_max + 1)}
+    return {n: _pick(throughput_curve(n, p, lat_s, lat_l, alpha, q_l=q_l, runtime=runtime), min_gain)
+            for n in range(1, n_max + 1)}
 
 
 def zero_wait_bound(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, *, q_l: float = 0.0) -> float:
@@ -428,15 +451,19 @@ class PlanRow:
 
 
 def plan(n_values: Sequence[int], p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-         q_l: float = 0.0, min_gain: float = 0.0) -> list[PlanRow]:
-    """Throughput for every B = 1..N and the best B, for each N in n_values."""
+         q_l: float = 0.0, min_gain: float = 0.0, runtime: Runtime | None = None) -> list[PlanRow]:
+    """Throughput for every B = 1..N and the best B, for each N in n_values (with a runtime: the
+    continuous-time chain, see throughput_curve)."""
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
     rows = []
     for n in n_values:
         _check(n, p, alpha, q_l)
         t0 = time.perf_counter()
-        emb = _build_embedded(int(n), p, lat_s, lat_l, alpha, q_l)
-        sols = [_solve_from(emb, B) for B in range(1, n + 1)]
+        if runtime is not None:
+            sols = _runtime_solutions(n, p, lat_s, lat_l, alpha, q_l, runtime)
+        else:
+            emb = _build_embedded(int(n), p, lat_s, lat_l, alpha, q_l)
+            sols = [_solve_from(emb, B) for B in range(1, n + 1)]
         dt = time.perf_counter() - t0
         curve = np.array([s.throughput for s in sols])
         best = _pick(curve, min_gain)

@@ -13,6 +13,7 @@ import time
 
 from tokenrouter.planner.chain import full_chain, gaps_to_p, plan
 from tokenrouter.planner.latency import Constant, parse_latency
+from tokenrouter.planner.runtime import Runtime
 
 __all__ = ["add_plan_parser", "add_plan_args", "cmd_plan", "main", "parse_n", "placement"]
 
@@ -86,6 +87,15 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                      help="S step seconds vs batch b: SECONDS, A,C (A + C*b), B1:S1,B2:S2,... (measured, "
                           "interpolated) or @file.json")
     lat.add_argument("--lat-l", default=None, help="L step seconds vs batch b, as --lat-s")
+    rt = p.add_argument_group("runtime (any of these: the continuous-time chain, tokenrouter.planner.continuous)")
+    rt.add_argument("--continuous", action="store_true",
+                    help="S and L steps not aligned: returns wait for S's step in progress (implied by the below)")
+    rt.add_argument("--handoff", type=float, default=None, help="seconds from an S step's end to the idle L's launch")
+    rt.add_argument("--overhead-s", type=float, default=None, help="seconds the runtime adds to every S step")
+    rt.add_argument("--overhead-l", type=float, default=None, help="seconds the runtime adds to every L step")
+    rt.add_argument("--token-l", type=float, default=None,
+                    help="seconds per catch-up token L feeds for a hand-off ((1 - p) / p of them per request)")
+    rt.add_argument("--token-s", type=float, default=None, help="the same for S (spans returned by L)")
     p.add_argument("--alpha", default="0",
                    help="interference in [0, 1]: 0 separate devices, 1 serialised on one device; a list "
                         "sweeps (default 0)")
@@ -135,9 +145,20 @@ def _full_check(row, lat_s, lat_l) -> list[float]:
     return out
 
 
+def _runtime(args) -> Runtime | None:
+    vals = {"handoff": args.handoff, "s_overhead": args.overhead_s, "l_overhead": args.overhead_l,
+            "l_token": args.token_l, "s_token": args.token_s}
+    if not args.continuous and all(v is None for v in vals.values()):
+        return None
+    return Runtime(**{k: v for k, v in vals.items() if v is not None})
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     ns = parse_n(args.n)
     lat_s, lat_l, unit = _latencies(args)
+    runtime = _runtime(args)
+    if runtime is not None and args.method == "full":
+        raise ValueError("--method full checks the aligned chain; leave out the runtime options")
     alphas = _floats(args.alpha, "--alpha")
     gaps = None
     if (args.p is None) == (args.gaps is None):
@@ -150,7 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for p in ps:
         for alpha in alphas:
-            for row in plan(ns, p, lat_s, lat_l, alpha, q_l=args.q_l, min_gain=args.min_gain):
+            for row in plan(ns, p, lat_s, lat_l, alpha, q_l=args.q_l, min_gain=args.min_gain, runtime=runtime):
                 extra: dict = {}
                 if args.method == "full":
                     t0 = time.perf_counter()
@@ -159,8 +180,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 if args.simulate:
                     from tokenrouter.planner.sim import simulate
 
-                    sims = [simulate(row.n, B, lat_s, lat_l, alpha, p=None if gaps else p, gaps=gaps, q_l=args.q_l,
-                                     s_steps=args.sim_steps, seed=args.seed) for B in range(1, row.n + 1)]
+                    sim_s, sim_l = runtime.step_latencies(lat_s, lat_l, p, args.q_l) if runtime else (lat_s, lat_l)
+                    sims = [simulate(row.n, B, sim_s, sim_l, alpha, p=None if gaps else p, gaps=gaps, q_l=args.q_l,
+                                     handoff=runtime.handoff if runtime else 0.0, s_steps=args.sim_steps,
+                                     seed=args.seed) for B in range(1, row.n + 1)]
                     extra["sim_throughput"] = [s.throughput for s in sims]
                     extra["sim_stderr"] = [s.stderr for s in sims]
                     extra["sim_best_b"] = 1 + max(range(row.n), key=lambda i: sims[i].throughput)
@@ -169,6 +192,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         out = {
             "model": "tokenrouter.planner: DESIGN.md section 4 chain (see tokenrouter/planner/chain.py)",
             "unit": unit, "lat_s": lat_s.to_json(), "lat_l": lat_l.to_json(), "q_l": args.q_l,
+            "runtime": runtime.__dict__ if runtime else None,
             "gaps": gaps, "min_gain": args.min_gain,
             "rows": [dict(row.to_json(), placement=placement(row.alpha), **extra) for row, extra in rows],
             "best_b": {f"p={row.p:g},alpha={row.alpha:g}": {} for row, _ in rows},

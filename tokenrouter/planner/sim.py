@@ -4,10 +4,12 @@ It runs the system of `tokenrouter.planner.chain` event by event in continuous t
 - gaps between hand-offs drawn from a measured histogram (or geometric with p, to check the chain);
 - spans on L drawn from a histogram of span lengths (or geometric with q_L);
 - every S step taking t_S(batch at its start) seconds, every L step t_L(its batch);
-- interference alpha as a rate: while L runs, S's current step progresses at speed 1 - alpha.
-Requests that L returns while S is in the middle of a step join S's next step; S's batch is every
-request at S when its step starts to progress (with alpha = 1: after L's step); L launches (every
-queued request) when idle and at least B are queued.
+- interference alpha as a rate: while L runs, S's current step progresses at speed 1 - alpha;
+- a hand-off latency: a request S hands off reaches L's queue `handoff` seconds after S's step.
+As in the runtime, S starts its next step the moment one ends (its batch: every request at S then),
+even while L runs (with alpha = 1 that step then waits for L); requests that L returns while S is in
+the middle of a step join S's next step; L launches (every queued request) when idle and at least B
+are queued.
 
 Gap: the number of tokens S writes for a request between getting it (at start or back from L) and
 handing it to L, so a gap of g is g + 1 S steps, the last one's token dropped. Span: the number of
@@ -55,7 +57,8 @@ class SimResult:
 
 
 def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-             p: float | None = None, gaps=None, q_l: float = 0.0, spans=None, s_steps: int = 200_000,
+             p: float | None = None, gaps=None, q_l: float = 0.0, spans=None, handoff: float = 0.0,
+             s_steps: int = 200_000,
              warmup: float = 0.05, batches: int = 20, seed: int = 0) -> SimResult:
     """Simulate N = n requests with launch threshold B = b for about `s_steps` S steps.
 
@@ -101,6 +104,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     l_left = np.zeros(n, dtype=np.int64)  # L tokens left in the current span
     at_s = np.ones(n, dtype=bool)  # at S (in its batch or waiting for its next step)
     queue: list[int] = []
+    transit: list[tuple[float, int]] = []  # (arrival time at L, request), in arrival order
     l_batch: list[int] = []
     l_rem = 0.0
     s_batch = None  # S's current step (None: no step in progress); formed when it starts to progress
@@ -116,12 +120,13 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
 
     while n_s_steps < s_steps:
         rate = (1.0 - alpha) if l_batch else 1.0
-        if s_batch is None and rate > 0 and at_s.any():
+        if s_batch is None and at_s.any():
             s_batch = np.nonzero(at_s)[0]
             s_rem = lat_s(len(s_batch))
         dt_s = s_rem / rate if (s_batch is not None and rate > 0) else math.inf
         dt_l = l_rem if l_batch else math.inf
-        dt = min(dt_s, dt_l)
+        dt_h = transit[0][0] - t if transit else math.inf
+        dt = min(dt_s, dt_l, dt_h)
         if dt == math.inf:
             raise RuntimeError("simulation stalled (no S step and no L step possible)")
         t += dt
@@ -136,7 +141,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             at_s[leave] = False
             for i in leave:
                 l_left[i] = draw_span()
-            queue.extend(int(i) for i in leave)
+            transit.extend((t + handoff, int(i)) for i in leave)
             s_batch = None
             n_s_steps += 1
             if n_s_steps == warm_steps:
@@ -154,6 +159,8 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                     at_s[i] = True
                     s_left[i] = draw_gap(1)[0]
             l_batch = []
+        while transit and transit[0][0] <= t + eps * max(1.0, t):
+            queue.append(transit.pop(0)[1])
         if not l_batch and len(queue) >= b:
             l_batch, queue = queue, []
             l_rem = lat_l(len(l_batch))
