@@ -86,12 +86,13 @@ def test_plan_only_where_asked(pair_paths):
     assert g.models[0].kv_cache_tokens == g.models[1].kv_cache_tokens > 0
 
 
-def test_start_up_prints_the_split(pair_paths, caplog):
-    g = group(pair_paths, {"cores": [0]}, {"cores": [0]}, memory_fraction=0.001)
+def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
+    monkeypatch.setattr("tokenrouter.placement.device_memory", lambda d: GIB)  # not this machine's free memory
+    g = group(pair_paths, {"cores": [0]}, {"cores": [0]}, memory_fraction=0.02)
     with caplog.at_level(logging.INFO, logger="tokenrouter.entry"), RoutedLLM(g) as llm:
         info = llm.entry.info
     text = caplog.text
-    assert "placement cpu: 0.001 x" in text
+    assert "placement cpu: 0.02 x 1.00 GiB = 0.02 GiB for small, large;" in text
     tokens = {m.name: m.kv_cache_tokens for m in g.models}
     for name in ("small", "large"):
         assert f"  {name}: weights " in text and f"KV {tokens[name]} tokens ({tokens[name] // 4} pages of 4" in text

@@ -169,7 +169,7 @@ def shared_cores(group: GroupConfig) -> list[str]:
     return out
 
 
-def plan_placement(group: GroupConfig, memory: Callable[[str], int] = device_memory) -> list[str]:
+def plan_placement(group: GroupConfig, memory: Callable[[str], int] | None = None) -> list[str]:
     """Plan the devices the entry's own subservers share and fix their `kv_cache_tokens`; the lines to
     print. With `memory_fraction` every device is planned; without it only CUDA devices two or more
     models share (at 0.9), so that neither takes the other's memory. Models started elsewhere (join,
@@ -188,7 +188,7 @@ def plan_placement(group: GroupConfig, memory: Callable[[str], int] = device_mem
         fraction = 0.9
     if not needs:
         return shared_cores(group)
-    plan = split_memory(needs, fraction, memory)
+    plan = split_memory(needs, fraction, memory or device_memory)
     for n in needs:
         n.spec.kv_cache_tokens = plan.tokens[n.spec.name]
     return plan.lines() + shared_cores(group)
