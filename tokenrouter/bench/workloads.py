@@ -8,13 +8,11 @@ with shorter outputs. Each has a CPU scale of the same shape with smaller caps.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import random
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
+
+from tokenrouter import champ
 
 
 @dataclass(frozen=True)
@@ -34,27 +32,13 @@ WORKLOADS = {
                       {"paper": 8192, "cpu": 1024}, {"paper": 1024, "cpu": 64}),
 }
 
-_INSTRUCTION = "Solve the following problem step by step, and give the final answer at the end.\n\nProblem: "
-
-
-@lru_cache(maxsize=1)
-def _champ() -> dict[str, Any]:
-    spec = importlib.util.find_spec("champ_dataset")  # located, never imported (its package has side effects)
-    if spec is None or spec.origin is None:
-        raise RuntimeError("the benchmark workloads need the champ-dataset package (pip install champ-dataset)")
-    return json.loads((Path(spec.origin).parent / "dataset_files" / "v0.json").read_text())
-
 
 def problems() -> list[str]:
-    return [p["_text"] for p in _champ()["problems"].values()]
+    return [p.text for p in champ.problems()]
 
 
 def solution_texts() -> list[str]:
-    out = []
-    for p in _champ()["problems"].values():
-        for conv in p.get("conversations", {}).values():
-            out.extend(m["text"] for m in conv.get("messages", []) if m.get("role", "").startswith("Model"))
-    return out
+    return [t for p in champ.problems() for t in p.solutions]
 
 
 def build_prompts(workload: str, scale: str, n: int, seed: int = 0, tokenizer: Any = None) -> tuple[list[str], int]:
@@ -70,7 +54,7 @@ def build_prompts(workload: str, scale: str, n: int, seed: int = 0, tokenizer: A
     if target is None:
         pool = problems()
         rng.shuffle(pool)
-        return [_INSTRUCTION + pool[i % len(pool)] for i in range(n)], w.max_tokens[scale]
+        return [champ.INSTRUCTION + pool[i % len(pool)] for i in range(n)], w.max_tokens[scale]
     texts = solution_texts()
     prompts = []
     for _ in range(n):
