@@ -301,3 +301,29 @@ def test_fingerprints_do_not_depend_on_the_serving_dtype(pair_paths, tmp_path):
         router.check_pair("small", engine_fingerprint(engine))
     with pytest.raises(ValueError, match="another small model"):
         router.check_pair("small", "0" * 16)
+
+
+# ------------------------------------------------------------------------------------ R2R continuations
+def test_branch_continuations_equal_prefilling_each_branch(pair_paths):
+    """Branching off one pass (cache copy, masked tail, branch position ids) gives exactly the greedy
+    tokens of running each prefix + candidate token from scratch."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenrouter.training.labels import branch_continuations
+
+    large = AutoModelForCausalLM.from_pretrained(str(pair_paths["large"]), dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(3)
+    seq = torch.randint(3, 300, (40,), generator=g).tolist()
+    pos = torch.tensor([0, 5, 5, 17, 38, 39])
+    first = torch.randint(3, 300, (6,), generator=g)
+    got = branch_continuations(large, seq, pos, first, steps=5)
+    assert got.shape == (6, 5)
+    for r in range(6):
+        ids = torch.tensor([seq[:int(pos[r]) + 1] + [int(first[r])]])
+        want = []
+        with torch.no_grad():
+            for _ in range(5):
+                nxt = large(input_ids=ids).logits[0, -1].argmax()
+                want.append(int(nxt))
+                ids = torch.cat([ids, nxt.view(1, 1)], 1)
+        assert got[r].tolist() == want, f"row {r} (branch at {int(pos[r])})"

@@ -187,19 +187,31 @@ def _cache_kw(model: Any) -> str:
 
 
 @torch.no_grad()
-def greedy_continue(model: Any, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    """The model's greedy continuation of each row (all rows the same length) for `steps` tokens,
-    EOS ignored, with a KV cache: one prefill, then steps-1 one-token decodes."""
+def branch_continuations(model: Any, seq: Sequence[int], pos: torch.Tensor, first: torch.Tensor, steps: int,
+                         device: str | torch.device = "cpu") -> torch.Tensor:
+    """[rows, steps]: for each row r, the model's greedy continuation (EOS ignored) of
+    seq[:pos[r] + 1] + [first[r]], all rows branching off one pass over `seq`.
+
+    The sequence runs through the model once; each row copies its KV cache and masks out the cached
+    positions after its own branch point, so a row costs `steps` one-token decodes instead of a
+    prefill of its whole prefix. Position ids follow the branch, not the cache slot."""
     kw = _cache_kw(model)
-    out = model(input_ids=ids, use_cache=True)
-    nxt = out.logits[:, -1].argmax(-1)
-    toks = [nxt]
-    for _ in range(steps - 1):
-        cache = getattr(out, kw, None)
-        out = model(input_ids=nxt[:, None], use_cache=True, **{kw: cache})
-        nxt = out.logits[:, -1].argmax(-1)
-        toks.append(nxt)
-    return torch.stack(toks, 1)
+    n = len(seq)
+    rows = first.numel()
+    base = getattr(model(input_ids=torch.tensor([list(seq)], device=device), use_cache=True), kw)
+    base.batch_repeat_interleave(rows)
+    pos = pos.to(device)
+    mask = (torch.arange(n + steps, device=device)[None, :] <= pos[:, None]).long()
+    mask[:, n:] = 1
+    tok = first.to(device)
+    out = []
+    for s in range(steps):
+        step = model(input_ids=tok[:, None], attention_mask=mask[:, :n + s + 1], position_ids=(pos + 1 + s)[:, None],
+                     use_cache=True, **{kw: base})
+        base = getattr(step, kw)
+        tok = step.logits[:, -1].argmax(-1)
+        out.append(tok)
+    return torch.stack(out, 1).cpu()
 
 
 @torch.no_grad()
@@ -211,27 +223,24 @@ def divergence_labels(large: Any, seqs: Sequence[Sequence[int]], seq_idx: torch.
     seq_idx, pos, small_tok, large_tok): 1 where the large model's greedy continuations of
     `continuation` tokens from prefix + small token and from prefix + large token differ.
 
-    Batched by prefix length: every candidate at position t has prefix x_0..x_t, so candidates with
-    the same t (from any sequence) run together without padding, two rows each."""
+    Batched by sequence: every candidate of a sequence branches off one pass over it (two rows per
+    candidate, at most batch_size rows per batch)."""
     out = torch.zeros(seq_idx.numel(), dtype=torch.float32)
     if seq_idx.numel() == 0:
         return out
-    by_t: dict[int, list[int]] = defaultdict(list)
-    for j, t in enumerate(pos.tolist()):
-        by_t[t].append(j)
+    by_seq: dict[int, list[int]] = defaultdict(list)
+    for j, i in enumerate(seq_idx.tolist()):
+        by_seq[i].append(j)
     pairs = max(1, batch_size // 2)
-    chunks = [(t, js[k:k + pairs]) for t in sorted(by_t) for js in [by_t[t]] for k in range(0, len(js), pairs)]
     with tqdm(total=seq_idx.numel(), desc="continuations", unit="pos", disable=not progress) as bar:
-        for t, js in chunks:
-            rows = []
-            for j in js:
-                prefix = list(seqs[int(seq_idx[j])][:t + 1])
-                rows.append(prefix + [int(small_tok[j])])
-                rows.append(prefix + [int(large_tok[j])])
-            cont = greedy_continue(large, torch.tensor(rows, dtype=torch.long, device=device), continuation).cpu()
-            diff = (cont[0::2] != cont[1::2]).any(-1)
-            out[torch.tensor(js)] = diff.float()
-            bar.update(len(js))
+        for i, js_all in by_seq.items():
+            for k in range(0, len(js_all), pairs):
+                js = torch.tensor(js_all[k:k + pairs])
+                first = torch.stack([small_tok[js], large_tok[js]], 1).reshape(-1)
+                cont = branch_continuations(large, seqs[i], pos[js].repeat_interleave(2), first, continuation,
+                                            device)
+                out[js] = (cont[0::2] != cont[1::2]).any(-1).float()
+                bar.update(len(js))
     return out
 
 

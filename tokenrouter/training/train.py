@@ -21,7 +21,7 @@ import json
 import math
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,7 +493,7 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Modu
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
-def train_router(kind: str, small_path: str | Path, large_path: str | Path, texts: Sequence[str],
+def train_router(kind: str, small_path: str | Path, large_path: str | Path, texts: Iterable[str],
                  out: str | Path, **settings: Any) -> Path:
     """Label `texts` by teacher-forcing both models, train a `kind` router head, calibrate it on
     held-out sequences, and save it (router.safetensors + router.json with the pair's fingerprints,
