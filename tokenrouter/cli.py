@@ -122,16 +122,25 @@ def load_group(args: argparse.Namespace) -> object:
 
 def add_group_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file of a routed group; overrides the engine flags")
-    p.add_argument("--algorithm", default=None, help="with --config: replace the group's routing algorithm")
+    p.add_argument("--algorithm", default=None,
+                   help="with --config or the default pair: replace the group's routing algorithm")
     p.add_argument("--algorithm-param", action="append", metavar="KEY=VALUE",
-                   help="with --config: set an algorithm parameter (repeatable), e.g. p=0.2 or tau=0.9")
+                   help="with --config or the default pair: set an algorithm parameter (repeatable), "
+                        "e.g. p=0.2 or tau=0.9")
 
 
 def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
-    from tokenrouter.default_model import default_model
+    from tokenrouter.default_model import default_model, default_pair_config
     from tokenrouter.group_config import GroupConfig, ModelSpec
 
+    if args.config is None and args.model_path is None:
+        pair = default_pair_config()
+        if pair is not None:
+            print(f"note: no --model-path given; serving the embedded default routed pair ({pair})",
+                  file=sys.stderr)
+            args.config = str(pair)
+            return load_group(args), args.served_model_name or "default"
     if args.config:
         group = load_group(args)
         return group, args.served_model_name or group.name  # type: ignore[attr-defined]
@@ -237,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(func=cmd_profile)
 
     from tokenrouter.bench.cli import add_bench_parser
+    from tokenrouter.evaluation.cli import add_prepare_parsers
     from tokenrouter.joiner import add_subserver_parser
     from tokenrouter.planner.cli import add_plan_parser
     from tokenrouter.training.cli import add_train_router_parser
@@ -244,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(sub)
     add_bench_parser(sub)
     add_train_router_parser(sub)
+    add_prepare_parsers(sub)
     add_subserver_parser(sub)
     from tokenrouter.baselines.standard import add_standard_parser
 

