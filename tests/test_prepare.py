@@ -127,7 +127,7 @@ def quick_pair(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv("TOKENROUTER_CACHE", str(cache))
     try:
-        pair = prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None)
+        pair = prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None, threads=1)
         assert default_model.cache_dir() == cache
         yield cache, pair
     finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import sys
 from collections.abc import Iterator
@@ -32,10 +33,11 @@ THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R reads its threshold f
 @dataclass
 class PrepareSettings:
     student: StudentSettings = field(default_factory=StudentSettings)
-    router_tokens: int = 48_000  # corpus tokens labelled per router
+    router_tokens: int = 24_000  # corpus tokens labelled per router
     router_seq_len: int = 256
     router_epochs: int = 30
-    continuation: int = 8  # R2R labels: greedy tokens compared after each differing position
+    continuation: int = 4  # R2R labels: greedy tokens compared after each differing position
+    continuation_rows: int = 128  # R2R labels: rows per batched continuation
     target_large_share: float = 0.15  # every router's threshold is calibrated to this on held-out data
     algorithm: str = "r2r"  # served by default
 
@@ -100,14 +102,26 @@ def _large_model(progress: bool) -> Path:
     return target
 
 
-def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None) -> PreparedPair:
-    """Make (or find) the default pair with its routers; see the module docstring."""
+def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None,
+            threads: int | None = None) -> PreparedPair:
+    """Make (or find) the default pair with its routers; see the module docstring. Training uses
+    `threads` torch threads (default: every core; serving processes run with one), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        return _prepare(settings or PrepareSettings(), progress, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     from transformers import AutoTokenizer
 
     from tokenrouter.training.student import train_student
     from tokenrouter.training.train import train_router
 
-    s = settings or PrepareSettings()
     say = log or (lambda msg: print(msg, file=sys.stderr))
     folder = cache_dir() / "pairs" / f"pair-{s.key()}"
     small = cache_dir() / "models" / f"student-{s.student.key()}"
@@ -133,7 +147,8 @@ def prepare(settings: PrepareSettings | None = None, progress: bool = True, log:
             shutil.rmtree(tmp, ignore_errors=True)
             train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
                          seq_len=s.router_seq_len, max_tokens=s.router_tokens, epochs=s.router_epochs,
-                         continuation=s.continuation, target_share=s.target_large_share, device="cpu",
+                         continuation=s.continuation, continuation_batch_size=s.continuation_rows,
+                         target_share=s.target_large_share, device="cpu",
                          progress=progress)
             shutil.rmtree(routers[kind], ignore_errors=True)
             tmp.rename(routers[kind])

@@ -2,9 +2,10 @@
 workload, prompts and seeds, with the ratios printed.
 
 Systems: `tokenrouter` (the routed group of --config), `large` and `small` (each model alone in our
-server), `standard` (plain single-model servers and an outside one-token-at-a-time coordinator, for
-the bernoulli router), and `step-sync` (the research codes' execution: static batches, a global
-barrier; run in-process on our engines, so it pays no HTTP cost, which favours it).
+server), `standard` (plain single-model servers and an outside one-token-at-a-time coordinator;
+bernoulli routing, at tokenrouter's measured large-model share for router algorithms), and
+`step-sync` (the research codes' execution: static batches, a global barrier; run in-process on our
+engines, so it pays no HTTP cost, which favours it).
 """
 
 from __future__ import annotations
@@ -81,9 +82,7 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
         if system == "standard":
             from tokenrouter.baselines.standard import StandardStack
 
-            if group.algorithm != "bernoulli":
-                raise ValueError("the standard-serving coordinator routes with bernoulli only")
-            with StandardStack(small.path, large.path, float(group.algorithm_params.get("p", 0.1)),
+            with StandardStack(small.path, large.path, _standard_p(group, rows),
                                small_cores=small.cores, large_cores=large.cores,
                                server_args=["--page-size", "1"]) as stack:
                 for c in concurrencies:
@@ -105,6 +104,23 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
             srv.stop()
     _print_ratios(rows, concurrencies)
     return rows
+
+
+def _standard_p(group: GroupConfig, rows: list[dict[str, Any]]) -> float:
+    """The hand-off probability the standard coordinator draws with. Its plain servers answer through
+    the OpenAI API, which carries no hidden states, so a router head cannot run there: for a router
+    algorithm the coordinator sends positions to the large model with bernoulli draws at the share of
+    tokens the large model wrote in this run's tokenrouter rows (the same load, not the same positions)."""
+    if group.algorithm == "bernoulli":
+        return float(group.algorithm_params.get("p", 0.1))
+    written = [r.get("tokens_per_model", {}) for r in rows if r["label"] == "tokenrouter"]
+    total = sum(sum(w.values()) for w in written)
+    if not total:
+        raise ValueError(f"standard serving with {group.algorithm!r} draws at tokenrouter's measured large-model "
+                         "share: list tokenrouter before standard in --systems")
+    p = sum(w.get(group.names[1], 0) for w in written) / total
+    print(f"  (standard: bernoulli at p = {p:.3f}, the large model's share of tokens in the tokenrouter rows)")
+    return p
 
 
 def _print_ratios(rows: list[dict[str, Any]], concurrencies: list[int]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,19 +15,10 @@ def _settings(quick: bool) -> Any:
     return quick_settings() if quick else PrepareSettings()
 
 
-def _threads(n: int | None) -> None:
-    import os
-
-    import torch
-
-    torch.set_num_threads(n or os.cpu_count() or 1)
-
-
 def cmd_prepare(args: argparse.Namespace) -> int:
     from tokenrouter.prepare import prepare
 
-    _threads(args.num_threads)
-    pair = prepare(_settings(args.quick), progress=not args.quiet)
+    pair = prepare(_settings(args.quick), progress=not args.quiet, threads=args.num_threads)
     meta = pair.meta()
     st = meta["student"]
     print(f"large model: {pair.large}")
@@ -41,11 +33,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
     from tokenrouter.evaluation.run import EvalSettings, evaluate, table, write
     from tokenrouter.prepare import prepare
 
-    _threads(args.num_threads)
-    pair = prepare(_settings(args.quick), progress=not args.quiet)
+    pair = prepare(_settings(args.quick), progress=not args.quiet, threads=args.num_threads)
+    # the evaluation's own forwards (NLL under the large model, query features) run in this process
+    torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     s = EvalSettings(problems=args.problems, max_tokens=args.max_tokens, algorithms=tuple(args.algorithms),
                      points=args.points, query_train_problems=args.query_train_problems)
     results = evaluate(pair, s, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
