@@ -33,7 +33,8 @@ THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R reads its threshold f
 @dataclass
 class PrepareSettings:
     student: StudentSettings = field(default_factory=StudentSettings)
-    router_tokens: int = 24_000  # corpus tokens labelled per router
+    router_tokens: int = 24_000  # corpus tokens labelled per router (CITER, Co-LLM)
+    r2r_tokens: int = 8_000  # R2R labels cost continuations at every differing position: fewer tokens
     router_seq_len: int = 256
     router_epochs: int = 30
     continuation: int = 4  # R2R labels: greedy tokens compared after each differing position
@@ -42,8 +43,20 @@ class PrepareSettings:
     algorithm: str = "r2r"  # served by default
 
     def key(self) -> str:
-        blob = json.dumps({**dataclasses.asdict(self), "large": SMOLLM2_NAME}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:10]
+        return _hash({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
+
+    def router_key(self, kind: str) -> str:
+        """Changes only with what that router's training reads: settings of other routers (or of the
+        served algorithm) leave it cached."""
+        return _hash({"kind": kind, "student": self.student.key(), "large": SMOLLM2_NAME,
+                      "tokens": self.r2r_tokens if kind == "r2r" else self.router_tokens,
+                      "seq_len": self.router_seq_len, "epochs": self.router_epochs,
+                      "target": self.target_large_share,
+                      **({"continuation": self.continuation, "rows": self.continuation_rows} if kind == "r2r" else {})})
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def quick_settings() -> PrepareSettings:
@@ -52,7 +65,7 @@ def quick_settings() -> PrepareSettings:
     return PrepareSettings(
         student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
                                 seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
-        router_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2)
+        router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2)
 
 
 class PreparedPair(NamedTuple):
@@ -125,10 +138,11 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     say = log or (lambda msg: print(msg, file=sys.stderr))
     folder = cache_dir() / "pairs" / f"pair-{s.key()}"
     small = cache_dir() / "models" / f"student-{s.student.key()}"
-    routers = {k: folder / "routers" / k for k in ROUTER_KINDS}
+    routers = {k: cache_dir() / "routers" / f"{k}-{s.router_key(k)}" for k in ROUTER_KINDS}
     if (folder / "prepared.json").is_file():
         meta = json.loads((folder / "prepared.json").read_text())
-        return PreparedPair(folder, Path(meta["large"]), Path(meta["small"]), routers)
+        return PreparedPair(folder, Path(meta["large"]), Path(meta["small"]),
+                            {k: Path(v) for k, v in meta["routers"].items()})
 
     say("tokenrouter prepare: making the default pair (once; cached in " f"{cache_dir()})")
     large = _large_model(progress)
@@ -143,10 +157,12 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     for kind in ROUTER_KINDS:
         if not (routers[kind] / "router.json").is_file():
             say(f"training the {kind} router")
-            tmp = routers[kind].with_name(f".{kind}-building")
+            routers[kind].parent.mkdir(parents=True, exist_ok=True)
+            tmp = routers[kind].with_name(f".{routers[kind].name}-building")
             shutil.rmtree(tmp, ignore_errors=True)
             train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
-                         seq_len=s.router_seq_len, max_tokens=s.router_tokens, epochs=s.router_epochs,
+                         seq_len=s.router_seq_len,
+                         max_tokens=s.r2r_tokens if kind == "r2r" else s.router_tokens, epochs=s.router_epochs,
                          continuation=s.continuation, continuation_batch_size=s.continuation_rows,
                          target_share=s.target_large_share, device="cpu",
                          progress=progress)
@@ -158,10 +174,12 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
 
     import yaml
 
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "pair.yaml").write_text(
         "# The embedded default routed pair, written by `tokenrouter prepare`.\n"
         + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm), sort_keys=False))
-    prepared = {"large": str(large), "small": str(small), "settings": dataclasses.asdict(s),
+    prepared = {"large": str(large), "small": str(small), "routers": {k: str(v) for k, v in routers.items()},
+                "settings": dataclasses.asdict(s),
                 "student": {k: v for k, v in student_meta.items() if k != "history"},
                 "thresholds": thresholds, "router_metrics": metrics}
     tmp_meta = folder / ".prepared.json"
