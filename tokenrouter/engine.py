@@ -239,7 +239,7 @@ class Engine:
                 out = self.runner.run(batch.reqs, batch.extend_lens)
             except BaseException as e:
                 self.tp.serving = False  # the ranks may be out of step now: shutdown kills, sends no STOP
-                dead = self.tp.dead_workers()
+                dead = self.tp.dead_workers(wait=2.0)
                 if dead is None or not isinstance(e, RuntimeError):
                     raise
                 raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e

@@ -92,10 +92,17 @@ class TensorParallel:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
-    def dead_workers(self) -> str | None:
-        """Which workers have exited (for the error when a step's collectives fail), or None."""
-        dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, start=1) if not p.is_alive()]
-        return ", ".join(dead) or None
+    def dead_workers(self, wait: float = 0.0) -> str | None:
+        """Which workers have exited (for the error when a step's collectives fail), or None. A peer's
+        reset connection can reach rank 0 before its exit is visible here, so this keeps looking for
+        up to `wait` seconds."""
+        deadline = time.monotonic() + wait
+        while True:
+            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs, start=1)
+                    if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return ", ".join(dead) or None
+            time.sleep(0.02)
 
     def _wait_joined(self, deadline: float) -> None:
         keys = [f"joined/{r}" for r in range(1, self.size)]
