@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -27,7 +28,7 @@ from tokenrouter.default_model import SMOLLM2_NAME, cache_dir
 from tokenrouter.training.student import StudentSettings, chat_texts
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
-THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R reads its threshold from the router folder
+THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
 
 
 @dataclass
@@ -41,6 +42,11 @@ class PrepareSettings:
     continuation_rows: int = 128  # R2R labels: rows per batched continuation
     target_large_share: float = 0.15  # every router's threshold is calibrated to this on held-out data
     algorithm: str = "r2r"  # served by default
+    # The served threshold, in logits from the calibrated one. Thresholds calibrated on corpus text do
+    # not transfer to free generation with this student: once it writes a few tokens of its own, the
+    # scores turn bimodal and the calibrated R2R threshold routes nothing (docs/QUALITY.md, measured
+    # by `tokenrouter eval`); 2 logits lower routes most tokens and writes real text.
+    serve_offset: float = -2.0
 
     def key(self) -> str:
         return _hash({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
@@ -87,14 +93,20 @@ def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
     return chat_texts(tokenizer, champ.split(seed=seed).train, seed, reverse=True)
 
 
+def shifted(threshold: float, offset: float) -> float:
+    """A sigmoid-score threshold moved by `offset` in logit space."""
+    t = min(max(threshold, 1e-7), 1 - 1e-7)
+    return 1 / (1 + math.exp(-(math.log(t / (1 - t)) + offset)))
+
+
 def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
-               algorithm: str) -> dict[str, Any]:
-    """The served group: each model in its own subserver; the algorithm's parameters from calibration."""
+               algorithm: str, serve_offset: float = 0.0) -> dict[str, Any]:
+    """The served group: each model in its own subserver; the algorithm's threshold from calibration,
+    moved by serve_offset logits."""
     algo: dict[str, Any] = {"name": algorithm}
     if algorithm in routers:
         algo["router"] = str(routers[algorithm])
-        if algorithm in THRESHOLD_PARAM:
-            algo[THRESHOLD_PARAM[algorithm]] = thresholds[algorithm]
+        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = shifted(thresholds[algorithm], serve_offset)
     return {
         "name": "default",
         "models": [{"name": "small", "path": str(small)}, {"name": "large", "path": str(large)}],
@@ -177,7 +189,7 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pair.yaml").write_text(
         "# The embedded default routed pair, written by `tokenrouter prepare`.\n"
-        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm), sort_keys=False))
+        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm, s.serve_offset), sort_keys=False))
     prepared = {"large": str(large), "small": str(small), "routers": {k: str(v) for k, v in routers.items()},
                 "settings": dataclasses.asdict(s),
                 "student": {k: v for k, v in student_meta.items() if k != "history"},

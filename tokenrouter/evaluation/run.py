@@ -16,7 +16,6 @@ quality against cost.
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 from tokenrouter import champ
 from tokenrouter.evaluation.metrics import AnswerScore, Totals, common_prefix, is_correct, nll_under
 from tokenrouter.evaluation.query_router import QueryRouter, gain_labels, prompt_features, route_top
-from tokenrouter.prepare import THRESHOLD_PARAM, PreparedPair
+from tokenrouter.prepare import THRESHOLD_PARAM, PreparedPair, shifted
 from tokenrouter.sampling_params import SamplingParams
 
 TOKEN_LEVEL = ("citer", "r2r", "co_llm", "r_stitch")
@@ -61,11 +60,6 @@ def chat_prompts(tokenizer: Any, problems: Sequence[champ.Problem]) -> list[list
             for p in problems]
 
 
-def _logit(x: float) -> float:
-    x = min(max(x, 1e-6), 1 - 1e-6)
-    return math.log(x / (1 - x))
-
-
 def threshold_grid(kind: str, calibrated: float | None, points: int, spread: float) -> list[float]:
     """Thresholds for a sweep: R-Stitch's fixed entropy taus, else the calibrated threshold moved in
     logit space (scores are sigmoid outputs, so equal logit steps spread the routed share evenly)."""
@@ -75,8 +69,7 @@ def threshold_grid(kind: str, calibrated: float | None, points: int, spread: flo
         raise ValueError(f"{kind}: no calibrated threshold to sweep around")
     if points == 1:
         return [calibrated]
-    c = _logit(calibrated)
-    return [1 / (1 + math.exp(-(c - spread + 2 * spread * i / (points - 1)))) for i in range(points)]
+    return [shifted(calibrated, -spread + 2 * spread * i / (points - 1)) for i in range(points)]
 
 
 def algorithm_config(kind: str, pair: PreparedPair, value: float) -> dict[str, Any]:
@@ -159,11 +152,11 @@ def evaluate(pair: PreparedPair, s: EvalSettings, progress: bool = True, log: An
     thresholds = pair.meta()["thresholds"]
     for kind in s.algorithms:
         for value in threshold_grid(kind, thresholds.get(kind), s.points, s.spread):
-            log(f"answering with {kind} at {value:.4g}")
+            log(f"answering with {kind} at {value:.6g}")
             ans = answer([small_spec, large_spec], algorithm_config(kind, pair, value), prompts, s.max_tokens,
                          progress)
             totals = Totals.of(score(ans, prompts, large_ans.outputs, problems, large_model))
-            results.append(SystemResult(kind, f"{value:.4g}", totals, ans.seconds))
+            results.append(SystemResult(kind, f"{value:.6g}", totals, ans.seconds))
     return results
 
 
