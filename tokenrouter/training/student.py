@@ -134,11 +134,11 @@ def _loss(student: Any, teacher: Any, batch: torch.Tensor, kd_weight: float) -> 
     logp = F.log_softmax(logits, dim=-1).flatten(0, 1)
     ce = F.nll_loss(logp, targets.reshape(-1))
     if kd_weight == 0.0:  # plain language modelling: skip the teacher's forward, most of a step's cost
-        return ce, float(ce), float("nan")
+        return ce, float(ce.detach()), float("nan")
     with torch.no_grad():
         t_logp = F.log_softmax(teacher(inputs).logits.float(), dim=-1).flatten(0, 1)
     kl = F.kl_div(logp, t_logp, log_target=True, reduction="batchmean")
-    return kd_weight * kl + (1 - kd_weight) * ce, float(ce), float(kl)
+    return kd_weight * kl + (1 - kd_weight) * ce, float(ce.detach()), float(kl.detach())
 
 
 @torch.no_grad()
