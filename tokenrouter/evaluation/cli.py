@@ -9,16 +9,10 @@ from pathlib import Path
 from typing import Any
 
 
-def _settings(quick: bool) -> Any:
-    from tokenrouter.prepare import PrepareSettings, quick_settings
-
-    return quick_settings() if quick else PrepareSettings()
-
-
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from tokenrouter.prepare import prepare
+    from tokenrouter.prepare import prepare, settings_for
 
-    pair = prepare(_settings(args.quick), progress=not args.quiet, threads=args.num_threads)
+    pair = prepare(settings_for(args.quick), progress=not args.quiet, threads=args.num_threads)
     meta = pair.meta()
     st = meta["student"]
     print(f"large model: {pair.large}")
@@ -26,7 +20,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
           f"{st['train_seconds']} s; held-out CE {st['held_out']['student_ce']:.3f} vs the large model's "
           f"{st['held_out']['teacher_ce']:.3f})")
     for kind, m in meta["router_metrics"].items():
-        print(f"{kind} router: {pair.routers[kind]} (threshold {meta['thresholds'][kind]:.4g}, held-out AUC "
+        print(f"{kind} router: {pair.routers[kind]} (threshold {meta['thresholds'][kind]:.6g}, held-out AUC "
               f"{m['auc']:.3f}, large share {m['large_share']:.3f})")
     print(f"group config: {pair.config}")
     return 0
@@ -36,9 +30,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import torch
 
     from tokenrouter.evaluation.run import EvalSettings, evaluate, table, write
-    from tokenrouter.prepare import prepare
+    from tokenrouter.prepare import prepare, settings_for
 
-    pair = prepare(_settings(args.quick), progress=not args.quiet, threads=args.num_threads)
+    pair = prepare(settings_for(args.quick), progress=not args.quiet, threads=args.num_threads)
     # the evaluation's own forwards (NLL under the large model, query features) run in this process
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
     s = EvalSettings(problems=args.problems, max_tokens=args.max_tokens, algorithms=tuple(args.algorithms),

@@ -172,11 +172,9 @@ def table(results: Sequence[SystemResult]) -> str:
     for r in results:
         t = r.totals
         closed = gap_closed(r, by["small"], by["large"]) if {"small", "large"} <= set(by) else float("nan")
+        seconds = f"{r.seconds:.1f}" if r.seconds else "-"
         rows.append(f"| {r.system} | {r.param or '-'} | {t.large_share:.3f} | {t.nll:.3f} | {closed:.2f} | "
-                    f"{t.agreement:.3f} | {t.accuracy:.3f} | {t.answers} | {t.tokens} | "
-                    f"{r.seconds:.1f} |" if r.seconds else
-                    f"| {r.system} | {r.param or '-'} | {t.large_share:.3f} | {t.nll:.3f} | {closed:.2f} | "
-                    f"{t.agreement:.3f} | {t.accuracy:.3f} | {t.answers} | {t.tokens} | - |")
+                    f"{t.agreement:.3f} | {t.accuracy:.3f} | {t.answers} | {t.tokens} | {seconds} |")
     return "\n".join(rows)
 
 

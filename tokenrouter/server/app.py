@@ -23,6 +23,7 @@ from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    completion_chunk,
     parse_request,
 )
 
@@ -266,12 +267,9 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         want_lp = body.logprobs is not None
 
         def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason,
-                                      "logprobs": completion_logprobs(toks, 0) if want_lp else None}
-            if body.return_token_ids:
-                choice["token_ids"] = [t.token for t in toks]
-            return {"id": rid, "object": "text_completion", "created": created, "model": cfg.model_name,
-                    "choices": [choice]}
+            return completion_chunk(rid, created, cfg.model_name, text, reason,
+                                    completion_logprobs(toks, 0) if want_lp else None,
+                                    [t.token for t in toks] if body.return_token_ids else None)
 
         if body.stream:
             include = bool(body.stream_options and body.stream_options.include_usage)

@@ -147,3 +147,13 @@ def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: s
                        param="model", code="model_not_found")
     req.check_common()
     return req
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None,
+                     logprobs: dict[str, Any] | None, token_ids: list[int] | None) -> dict[str, Any]:
+    """One `text_completion` object (a whole response or a stream chunk) with a single choice;
+    token_ids only when the request asked for them."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}

@@ -15,6 +15,7 @@ in the last bits).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -66,9 +67,12 @@ class StudentSettings:
 
     def key(self) -> str:
         """A short stable name for the cache (changes whenever any setting does)."""
-        import hashlib
+        return settings_key(dataclasses.asdict(self))
 
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self), sort_keys=True).encode()).hexdigest()[:10]
+
+def settings_key(obj: Any) -> str:
+    """A short stable hash of JSON-able settings: cache folder names."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def chat_texts(tokenizer: Any, problems: Sequence[champ.Problem], seed: int, reverse: bool = False) -> Iterator[str]:
