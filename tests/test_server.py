@@ -191,6 +191,10 @@ def test_wrong_api_key(server):
         bad.completions.create(model=MODEL, prompt="x", max_tokens=2)
     assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
     assert httpx.get(f"{server.url}/metrics", timeout=10).status_code == 401  # every endpoint but /health
+    for path in ("/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"):  # closed with a key, even with it
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}"}):
+            r = httpx.get(f"{server.url}{path}", timeout=10, headers=headers)
+            assert r.status_code in (401, 404) and "openapi" not in r.text.lower(), (path, r.status_code)
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 

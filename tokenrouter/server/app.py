@@ -92,7 +92,10 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         yield
         runtime.close()
 
-    app = FastAPI(title="tokenrouter", lifespan=lifespan)
+    # With an API key the schema and its viewers are closed too (they list every endpoint and field);
+    # in-process callers still have app.openapi().
+    closed: dict[str, Any] = {"docs_url": None, "redoc_url": None, "openapi_url": None} if cfg.api_key else {}
+    app = FastAPI(title="tokenrouter", lifespan=lifespan, **closed)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
