@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 from engine_utils import prompts_of
 from routing_utils import PAGE, Rig, build_pair, find_seed, handoff_draws, peer_msgs
 
@@ -357,3 +358,89 @@ def test_seed_search_is_consistent_with_the_router():
     """The draws the tests pick seeds by are the router's: same function, same positions."""
     seed = find_seed([True, False, True], first=5, p=0.5)
     assert handoff_draws(seed, 5, 3, 0.5) == [True, False, True]
+
+
+# ---- a hand-back that rewrites part of the copy -------------------------------------------------------
+def test_handback_before_the_end_rolls_the_copy_back(rig_factory, paths):
+    """A PeerReq whose loc lies before the end of a PENDING copy cuts the copy to loc and rolls its KV
+    back: once above the cached prefix, once into it. Each resume computes only what follows the kept
+    KV, and the next token is the small model's greedy choice for the rewritten sequence (stale KV past
+    loc would change it)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(paths["small"], dtype=torch.float32).eval()
+
+    def greedy(tokens: list[int]) -> int | None:
+        with torch.no_grad():
+            row = hf(input_ids=torch.tensor([tokens])).logits[0, -1]
+        top2 = row.topk(2).values
+        return None if (top2[0] - top2[1]).item() < 1e-5 else int(row.argmax())
+
+    p = 0.5
+    rig = rig_factory(p)
+    (prompt,) = prompts_of([13], seed=19)
+    n = len(prompt)
+    # Positions n..n+5 stay on small, n+6 goes to the large model.
+    seed = find_seed([False] * 6 + [True], first=n, p=p)
+    small = rig.small.engine
+
+    # Warm the small model's prefix cache with the prompt (P writes n, n+1 on small: no hand-off).
+    rig.add("P", prompt, seed, max_tokens=2)
+    finish_all(rig, ["P"])
+
+    rig.add("A", prompt, seed, max_tokens=40)
+    a = rig.req("small", "A")
+    for _ in range(7):
+        rig.step("small")
+    assert a.status is ReqStatus.PENDING and len(a.tokens) == n + 6 and a.kv_len == n + 6
+    cached = a.cached_len
+    assert cached == (n - 1) // PAGE * PAGE and cached > 5, "A should hold a cached prefix"
+    assert peer_msgs(rig.take_inbox("large")).first is not None  # held off the large model
+
+    def hand_back(loc: int, suffix: list[int]) -> tuple[list[int], int]:
+        """Deliver a crafted hand-back; check the cut; return the expected tokens and the kept KV."""
+        expected = a.tokens[:loc] + suffix
+        rig.small._handle(Peer("large", PeerReq(rid="A", suffix=suffix, loc=loc)))
+        assert a.status is ReqStatus.RUNNING and a.tokens == expected
+        assert a.kv_len <= loc, "KV past loc survived the cut"
+        assert len(a.pages) == math.ceil(a.kv_len / PAGE)
+        assert a.cached_len <= a.kv_len and len(a.pages) >= a.cached_len // PAGE
+        small.check_integrity()
+        return expected, a.kv_len
+
+    def resume_and_check(expected: list[int], kept: int) -> None:
+        """One step at position len(expected) (a kept token), then the hand-off at n+6."""
+        ext, before = a.extended_tokens, small.stats.extended_tokens
+        rig.step("small")
+        assert a.extended_tokens - ext == len(expected) - kept, "recomputed more than the unseen suffix"
+        assert small.stats.extended_tokens - before == len(expected) - kept
+        assert a.status is ReqStatus.RUNNING and a.tokens[:-1] == expected and len(a.tokens) == n + 6
+        ref = greedy(expected)
+        if ref is not None:
+            assert a.tokens[-1] == ref, "the token after the cut is not the small model's greedy choice"
+        rig.step("small")  # position n+6: hand off again; the sampled token is dropped
+        assert a.status is ReqStatus.PENDING and a.kv_len == n + 6 and len(a.tokens) == n + 6
+        small.check_integrity()
+        rig.take_inbox("large")
+
+    # Cut 1: above the cached prefix, inside the output. The peer rewrote n+2.. with three new tokens.
+    loc = n + 2
+    assert loc > cached
+    expected, kept = hand_back(loc, [300, 301, 302])
+    assert kept == loc and a.cached_len == cached
+    resume_and_check(expected, kept)
+
+    # Cut 2: below the cached prefix. Only the whole cached pages under loc survive.
+    loc = 5
+    assert loc < cached
+    suffix = [(t * 7 + 3) % 256 for t in a.tokens[loc:n + 5]]  # differs from the original tokens
+    expected, kept = hand_back(loc, suffix)
+    assert kept == loc // PAGE * PAGE and a.cached_len == kept
+    resume_and_check(expected, kept)
+
+    rig.abort("A")
+    rig.drain_until("small", lambda: "A" not in small.reqs, "abort on small")
+    rig.drain_until("large", lambda: "A" in rig.large.aborted, "abort on large")
+    rig.settle()
+    rig.assert_clean("small")
+    rig.assert_clean("large")
