@@ -86,7 +86,8 @@ def test_seeded_sampling_is_reproducible_across_models(pair_paths):
 def test_tcp_transport_is_exact(pair_paths, hf_pair):
     prompts = prompts_of([4, 13, 22, 8], seed=9)
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with RoutedLLM(group(pair_paths, 0.5, transport="tcp")) as llm:
+    tcp = {**group(pair_paths, 0.5, transport="tcp"), "secret": "tcp always needs a secret"}
+    with RoutedLLM(tcp) as llm:
         assert all(r.address.startswith("tcp://127.0.0.1:") for r in llm.entry.info.values())
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
     for prompt, out in zip(prompts, outs):

@@ -11,7 +11,7 @@ from tokenrouter import SamplingParams
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.messages import Shutdown, encode
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.transport_security import keys_from_secret
+from tokenrouter.transport_security import keys_from_secret, secure_client
 
 SECRET = "correct horse battery staple"
 
@@ -30,20 +30,26 @@ def test_keys_come_from_the_secret():
         keys_from_secret("short")
 
 
-def test_open_interface_needs_a_secret(pair_paths, monkeypatch):
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0"])
+def test_tcp_needs_a_secret_on_any_interface(pair_paths, monkeypatch, host):
     monkeypatch.delenv("TOKENROUTER_SECRET", raising=False)
     cfg = group(pair_paths)
-    cfg["models"][1]["host"] = "0.0.0.0"
-    with pytest.raises(ValueError, match="need a shared secret"):
+    cfg["models"][1]["host"] = host
+    with pytest.raises(ValueError, match="transport: tcp needs a shared secret .* even on loopback"):
         GroupConfig.from_dict(cfg)
     GroupConfig.from_dict({**cfg, "secret": SECRET})  # fine with one
+    monkeypatch.setenv("TOKENROUTER_SECRET", SECRET)
+    assert GroupConfig.from_dict(cfg).secret == SECRET  # or from the environment
+    GroupConfig.from_dict({k: v for k, v in cfg.items() if k != "transport"})  # ipc needs none
 
 
-def rogue_shutdown(address: str) -> None:
-    """A process without the secret connects to a subserver's inbox and asks it to shut down."""
+def rogue_shutdown(address: str, secret: str | None = None) -> None:
+    """A process connects to a subserver's inbox and asks it to shut down (with the group's keys when
+    given the secret, as any process of the group could)."""
     ctx = zmq.Context()
     rogue = ctx.socket(zmq.PUSH)
     rogue.setsockopt(zmq.LINGER, 1000)
+    secure_client(rogue, keys_from_secret(secret) if secret else None)
     rogue.connect(address)
     try:
         rogue.send(encode(Shutdown()), zmq.NOBLOCK)
@@ -56,16 +62,19 @@ def rogue_shutdown(address: str) -> None:
 
 def test_secured_group_serves_and_refuses_strangers(pair_paths):
     params = SamplingParams(max_tokens=10, temperature=0.0, seed=4, ignore_eos=True)
-    with RoutedLLM(group(pair_paths)) as plain:
+    with RoutedLLM({**group(pair_paths), "transport": "ipc"}) as plain:
         want = plain.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
-        rogue_shutdown(plain.entry.info["large"].address)  # without a secret, anyone on the network can
-        plain.entry.procs["large"].join(10)
-        assert not plain.entry.procs["large"].is_alive()
     with RoutedLLM(group(pair_paths, secret=SECRET)) as llm:
         out = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
         assert out[0].outputs[0].token_ids == want[0].outputs[0].token_ids
         assert out[0].outputs[0].token_models == want[0].outputs[0].token_models
+        rogue_shutdown(llm.entry.info["large"].address, secret="not the group's secret!")
         rogue_shutdown(llm.entry.info["large"].address)
         assert all(p.is_alive() for p in llm.entry.procs.values())
         again = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
         assert again[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+        # The control: with the group's keys the same message arrives and the subserver stops, so the
+        # strangers above were refused by the handshake, not missed.
+        rogue_shutdown(llm.entry.info["large"].address, secret=SECRET)
+        llm.entry.procs["large"].join(10)
+        assert not llm.entry.procs["large"].is_alive()

@@ -66,7 +66,7 @@ class GroupConfig:
     seed: int = 0
     transport: str = "ipc"  # "ipc" (one machine) or "tcp"
     # tcp only: every process derives CURVE keys from this secret (or $TOKENROUTER_SECRET); required
-    # when a subserver listens on anything but loopback.
+    # with tcp on every interface, loopback included (any local user could reach a loopback port).
     secret: str | None = None
     # Delayed batching: {"policy": "eager"} or {"policy": "threshold", "thresholds": {model: B or {n: B}}}
     launch: dict[str, Any] = field(default_factory=lambda: {"policy": "eager"})
@@ -92,10 +92,11 @@ class GroupConfig:
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
         if self.secret is None:
             self.secret = os.environ.get("TOKENROUTER_SECRET") or None
-        open_hosts = [h for h in [self.entry_host, *(m.host for m in self.models)] if h not in LOOPBACK]
-        if self.transport == "tcp" and open_hosts and not self.secret:
-            raise ValueError(f"subservers listening on {', '.join(open_hosts)} need a shared secret "
-                             "(secret: in the config, or $TOKENROUTER_SECRET)")
+        if self.transport == "tcp" and not self.secret:
+            hosts = ", ".join(dict.fromkeys([self.entry_host, *(m.host for m in self.models)]))
+            raise ValueError(f"transport: tcp needs a shared secret (secret: in the config, or $TOKENROUTER_SECRET; "
+                             f"at least 16 characters), even on loopback: any process that can reach {hosts} could "
+                             "otherwise send the group's processes messages")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be distinct, got {names}")

@@ -109,8 +109,8 @@ def cmd_subserver(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     entry, entry_host = entry_endpoint(args.join)
     secret = read_secret(args.secret_file)
-    if secret is None and entry_host not in LOOPBACK:
-        raise ValueError("joining over the network needs the group's secret: --secret-file or $TOKENROUTER_SECRET")
+    if secret is None:  # the tcp transport always has one, loopback included
+        raise ValueError("joining needs the group's secret: --secret-file or $TOKENROUTER_SECRET")
     bind_host = args.host or route_address(entry_host)
     advertise = args.advertise or bind_host
     if advertise in _WILDCARDS:
