@@ -11,7 +11,7 @@ from tokenrouter import SamplingParams
 from tokenrouter.group_config import GroupConfig
 from tokenrouter.messages import Shutdown, encode
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.transport_security import keys_from_secret, secure_client
+from tokenrouter.transport_security import _OnlyOurClients, keys_from_secret, secure_client
 
 SECRET = "correct horse battery staple"
 
@@ -28,6 +28,14 @@ def test_keys_come_from_the_secret():
     assert keys_from_secret(SECRET + "!") != a
     with pytest.raises(ValueError, match="at least 16"):
         keys_from_secret("short")
+
+
+def test_the_zap_check_accepts_our_client_key_alone():
+    keys = keys_from_secret(SECRET)
+    check = _OnlyOurClients(keys.client_public)
+    assert check.callback("*", keys.client_public)
+    assert not check.callback("*", keys_from_secret(SECRET + "!").client_public)
+    assert not check.callback("*", keys.server_public) and not check.callback("*", b"")
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0"])
