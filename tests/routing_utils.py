@@ -45,6 +45,28 @@ def group_dict(paths: dict[str, Path], p: float, kv_tokens: int = 2048, **extra:
     }
 
 
+def untrained_routers(paths: dict[str, Path], root: Path, threshold: float = 0.5) -> dict[str, Path]:
+    """Untrained CITER, R2R and Co-LLM router folders for the pair of `paths` (its fingerprints), for
+    tests of how routers are found and loaded rather than of what they decide."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tokenrouter.routing.routers import CiterRouter, DeferralHead, R2RRouter, model_fingerprint, save_router
+
+    def fingerprint(path: Path) -> str:
+        cfg = json.loads((path / "config.json").read_text())
+        return model_fingerprint(cfg, load_file(str(path / "model.safetensors"))["model.embed_tokens.weight"])
+
+    hidden = json.loads((paths["small"] / "config.json").read_text())["hidden_size"]
+    pair = {role: {"fingerprint": fingerprint(paths[role])} for role in ("small", "large")}
+    torch.manual_seed(0)
+    heads = {"citer": CiterRouter(hidden), "r2r": R2RRouter(hidden, top_k=8, width=32, blocks=2),
+             "co_llm": DeferralHead(hidden)}
+    return {kind: save_router(root / kind, head.eval(), threshold=threshold, pair=pair) for kind, head in heads.items()}
+
+
 def handoff_draws(seed: int, first: int, count: int, p: float) -> list[bool]:
     """Whether the bernoulli router hands position first + i to the large model, for i < count."""
     u = uniform([seed] * count, list(range(first, first + count)), _STREAM)

@@ -89,3 +89,97 @@ def test_algorithm_parameters_from_the_command_line(tmp_path, pair_paths, capsys
     assert cli.main(base + ["--algorithm", "ensemble", "--algorithm-param", "weights=[0.5, 0.5]"]) == 0
     assert cli.main(base + ["--algorithm-param", "p"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def prepared_pair(folder, pair_paths, routers: dict, thresholds: dict, serve_offset: float = -2.0):
+    """A pair folder as `tokenrouter prepare` leaves it (pair.yaml serving R2R, prepared.json), with
+    the tiny test pair and untrained routers instead of the slow preparation."""
+    import json
+
+    import yaml
+
+    from tokenrouter.prepare import group_dict
+
+    folder.mkdir(parents=True, exist_ok=True)
+    group = group_dict(pair_paths["small"], pair_paths["large"], routers, thresholds, "r2r", serve_offset)
+    for m in group["models"]:
+        m.update(kv_cache_tokens=1024, page_size=4)
+    (folder / "pair.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
+    (folder / "prepared.json").write_text(json.dumps({
+        "large": str(pair_paths["large"]), "small": str(pair_paths["small"]),
+        "routers": {k: str(v) for k, v in routers.items()}, "thresholds": thresholds,
+        "settings": {"serve_offset": serve_offset}}))
+    return folder / "pair.yaml"
+
+
+def test_algorithm_flag_takes_the_prepared_pairs_router(tmp_path, pair_paths, monkeypatch, capsys):
+    import argparse
+
+    from routing_utils import untrained_routers
+
+    from tokenrouter.prepare import shifted
+    from tokenrouter.routing import make_algorithm
+
+    routers = untrained_routers(pair_paths, tmp_path / "routers")
+    thresholds = {"citer": 0.3, "r2r": 0.6, "co_llm": 0.4}
+    cfg = prepared_pair(tmp_path / "pair", pair_paths, {k: routers[k] for k in ("citer", "r2r")},
+                        {k: thresholds[k] for k in ("citer", "r2r")})
+
+    def group(algorithm, *params):
+        return cli.load_group(argparse.Namespace(config=str(cfg), algorithm=algorithm, algorithm_param=list(params)))
+
+    # The served threshold moves towards routing more: CITER routes below tau, so its tau goes up.
+    g = group("citer")
+    assert g.algorithm == "citer"
+    assert g.algorithm_params == {"router": str(routers["citer"]), "tau": pytest.approx(shifted(0.3, 2.0))}
+    make_algorithm(g.algorithm, g.names, g.algorithm_params)
+    g = group("r2r")  # the config's own algorithm: its section stays
+    assert g.algorithm_params == {"router": str(routers["r2r"]), "threshold": pytest.approx(shifted(0.6, -2.0))}
+    assert group("citer", "tau=0.9").algorithm_params["tau"] == 0.9
+    # No Co-LLM router in this pair: a clear error that says how to give one, unless one is given.
+    with pytest.raises(ValueError, match=r"co_llm needs a trained co_llm router.*--algorithm-param router=PATH"):
+        group("co_llm")
+    g = group("co_llm", f"router={routers['co_llm']}")
+    assert g.algorithm_params == {"router": str(routers["co_llm"])}
+    make_algorithm(g.algorithm, g.names, g.algorithm_params)
+    assert group("r_stitch").algorithm_params == {}
+
+    # The default-pair path of `serve` (no --config, no --model-path) goes through the same lookup.
+    monkeypatch.setattr("tokenrouter.default_model.default_pair_config", lambda: cfg)
+    args = cli.build_parser().parse_args(["serve", "--algorithm", "citer"])
+    g, name = cli.group_from_args(args)
+    assert name == "default" and g.algorithm == "citer" and g.algorithm_params["router"] == str(routers["citer"])
+    capsys.readouterr()
+
+    # And it serves: CITER on the pair, end to end.
+    rc = cli.main(["generate", "--config", str(cfg), "--algorithm", "citer", "--max-tokens", "6", "--ignore-eos",
+                   "--quiet", "--prompt", "hi"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "1 requests, 6 output tokens" in out.out and "tokens per model:" in out.out
+    assert cli.main(["generate", "--config", str(cfg), "--algorithm", "co_llm", "--quiet", "--prompt", "hi"]) == 2
+    assert "--algorithm-param router=PATH" in capsys.readouterr().err
+
+
+def test_algorithm_flag_takes_a_router_the_config_lists(tmp_path, pair_paths):
+    import argparse
+
+    from routing_utils import untrained_routers
+
+    routers = untrained_routers(pair_paths, tmp_path / "routers", threshold=0.25)
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(
+        "models:\n"
+        f"  - {{name: small, path: {pair_paths['small']}}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}}}\n"
+        "algorithm: {name: bernoulli, p: 0.0}\n"
+        f"routers: {{co_llm: {routers['co_llm']}, r2r: {routers['r2r']}}}\n")
+    g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm="co_llm", algorithm_param=[]))
+    assert g.algorithm_params == {"router": str(routers["co_llm"]), "eta": 0.25}  # the router's calibrated one
+    g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm="r2r", algorithm_param=[]))
+    assert g.algorithm_params == {"router": str(routers["r2r"]), "threshold": 0.25}
+    with pytest.raises(ValueError, match="citer needs a trained citer router"):
+        cli.load_group(argparse.Namespace(config=str(cfg), algorithm="citer", algorithm_param=[]))
+    cfg.write_text(cfg.read_text().replace("co_llm:", "magic:"))
+    with pytest.raises(ValueError, match="unknown router kind"):
+        cli.load_group(argparse.Namespace(config=str(cfg), algorithm=None, algorithm_param=[]))

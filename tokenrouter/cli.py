@@ -100,24 +100,59 @@ def _generate_routed(args: argparse.Namespace, prompts: list[str], params: objec
 
 
 def load_group(args: argparse.Namespace) -> object:
-    """The group of --config, with --algorithm and --algorithm-param KEY=VALUE overriding its algorithm."""
+    """The group of --config, with --algorithm and --algorithm-param KEY=VALUE overriding its algorithm.
+
+    --algorithm naming another algorithm replaces the config's algorithm section. For a router
+    algorithm (CITER, R2R, Co-LLM) the new section takes the router of that kind that the group knows,
+    unless --algorithm-param router=PATH gives one: a prepared pair's router (prepared.json next to
+    the config, e.g. the default pair) with its served threshold, else the config's `routers:` entry
+    with the router's calibrated threshold."""
     import yaml
 
-    from tokenrouter.group_config import GroupConfig
+    from tokenrouter.group_config import ROUTER_ALGORITHMS, GroupConfig
 
     with open(args.config) as f:
         raw = yaml.safe_load(f) or {}
     algo = raw.get("algorithm", "single")
     algo = dict(algo) if isinstance(algo, dict) else {"name": algo}
-    if args.algorithm:
-        algo = {"name": args.algorithm}
+    params = {}
     for item in args.algorithm_param or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--algorithm-param takes KEY=VALUE, got {item!r}")
-        algo[key] = yaml.safe_load(value)  # numbers, lists and booleans as in the YAML file
+        params[key] = yaml.safe_load(value)  # numbers, lists and booleans as in the YAML file
+    if args.algorithm and args.algorithm != algo.get("name", "single"):
+        algo = {"name": args.algorithm}
+        if args.algorithm in ROUTER_ALGORITHMS and "router" not in params:
+            algo = _known_router_section(args.algorithm, raw, args.config) or algo
+    algo.update(params)
+    name = algo.get("name", "single")
+    if name in ROUTER_ALGORITHMS and not algo.get("router"):
+        raise ValueError(f"algorithm {name} needs a trained {name} router, and the group of {args.config} "
+                         f"knows none: give one with --algorithm-param router=PATH (a folder made by "
+                         f"`tokenrouter train-router --kind {name}`)")
     raw["algorithm"] = algo
     return GroupConfig.from_dict(raw)
+
+
+def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
+    """The algorithm section for router `kind` from what the group knows (see load_group), or None."""
+    import json
+    from pathlib import Path
+
+    from tokenrouter.prepare import THRESHOLD_PARAM, served_algorithm
+    from tokenrouter.routing.routers import router_meta
+
+    prepared = Path(config).resolve().parent / "prepared.json"
+    if prepared.is_file():
+        algo = served_algorithm(json.loads(prepared.read_text()), kind)
+        if algo is not None:
+            return algo
+    path = (raw.get("routers") or {}).get(kind)
+    if not path:
+        return None
+    threshold = float(router_meta(path, kind)["threshold"])
+    return {"name": kind, "router": str(path), THRESHOLD_PARAM.get(kind, "threshold"): threshold}
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:

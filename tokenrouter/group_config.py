@@ -15,6 +15,7 @@ from tokenrouter.transport_security import CurveKeys, keys_from_secret
 
 LAUNCHERS = ("spawn", "join", "ray")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+ROUTER_ALGORITHMS = ("citer", "r2r", "co_llm")  # the algorithms that need a trained router folder
 
 
 @dataclass
@@ -84,6 +85,9 @@ class GroupConfig:
     # weights and KV together; the entry splits it between their KV pools (placement.py). None: each
     # engine sizes its own pool, except that co-located CUDA models are planned with 0.9.
     memory_fraction: float | None = None
+    # Router folders by kind ({citer: PATH, r2r: PATH, co_llm: PATH}): `--algorithm KIND` on the
+    # command line serves KIND with the folder named here (and its calibrated threshold).
+    routers: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -106,6 +110,10 @@ class GroupConfig:
             if isinstance(m.tp_size, bool) or not isinstance(m.tp_size, int) or m.tp_size < 1:
                 raise ValueError(f"model {m.name!r}: tp_size must be an integer >= 1, got {m.tp_size!r}")
             self._check_placement(m)
+        unknown_kinds = sorted(set(self.routers) - set(ROUTER_ALGORITHMS))
+        if unknown_kinds:
+            raise ValueError(f"routers: unknown router kind(s) {', '.join(unknown_kinds)}; "
+                             f"known: {', '.join(ROUTER_ALGORITHMS)}")
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction < 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1), got {self.memory_fraction}")
         if not 0 <= self.entry_port <= 65535:

@@ -28,6 +28,7 @@ from tokenrouter.training.student import StudentSettings, chat_texts, settings_k
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
 THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
+ROUTES_BELOW = ("citer",)  # routes when the score is under its threshold (the others: over it)
 
 
 @dataclass
@@ -41,10 +42,12 @@ class PrepareSettings:
     continuation_rows: int = 128  # R2R labels: rows per batched continuation
     target_large_share: float = 0.15  # every router's threshold is calibrated to this on held-out data
     algorithm: str = "r2r"  # served by default
-    # The served threshold, in logits from the calibrated one. Thresholds calibrated on corpus text do
-    # not transfer to free generation with this student: once it writes a few tokens of its own, the
-    # scores turn bimodal and the calibrated R2R threshold routes nothing (docs/QUALITY.md, measured
-    # by `tokenrouter eval`); 2 logits lower routes most tokens and writes real text.
+    # The served threshold, in logits from the calibrated one; negative routes more tokens (R2R's and
+    # Co-LLM's thresholds move down by it, CITER's tau, which routes below, moves up). Thresholds
+    # calibrated on corpus text do not transfer to free generation with this student: once it writes a
+    # few tokens of its own, the scores turn bimodal and the calibrated R2R threshold routes nothing
+    # (docs/QUALITY.md, measured by `tokenrouter eval`); 2 logits lower routes most tokens and writes
+    # real text.
     serve_offset: float = -2.0
 
     def key(self) -> str:
@@ -101,16 +104,31 @@ def shifted(threshold: float, offset: float) -> float:
 def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
                algorithm: str, serve_offset: float = 0.0) -> dict[str, Any]:
     """The served group: each model in its own subserver; the algorithm's threshold from calibration,
-    moved by serve_offset logits."""
+    moved by serve_offset logits (negative: towards routing more tokens, see PrepareSettings)."""
     algo: dict[str, Any] = {"name": algorithm}
     if algorithm in routers:
         algo["router"] = str(routers[algorithm])
-        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = shifted(thresholds[algorithm], serve_offset)
+        offset = -serve_offset if algorithm in ROUTES_BELOW else serve_offset
+        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = shifted(thresholds[algorithm], offset)
     return {
         "name": "default",
         "models": [{"name": "small", "path": str(small)}, {"name": "large", "path": str(large)}],
         "algorithm": algo,
     }
+
+
+def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """The algorithm section that serves a prepared pair's `kind` router, as pair.yaml would have it:
+    the router's folder and its calibrated threshold moved by the pair's serve offset. `meta` is the
+    pair's prepared.json; None when the pair has no router of that kind."""
+    routers = meta.get("routers") or {}
+    thresholds = meta.get("thresholds") or {}
+    if kind not in routers or kind not in thresholds:
+        return None
+    offset = float((meta.get("settings") or {}).get("serve_offset", 0.0))
+    algo = group_dict(Path(meta["small"]), Path(meta["large"]), {kind: Path(routers[kind])},
+                      {kind: float(thresholds[kind])}, kind, offset)["algorithm"]
+    return dict(algo)
 
 
 def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None,
