@@ -19,6 +19,28 @@ def llm(model_paths):
     eng.engine.check_integrity()
 
 
+@pytest.fixture(autouse=True)
+def integrity_after_each_test(request, monkeypatch):
+    """After every test, each engine it used (the module's and any it built) holds no request, no locked
+    prefix page, and passes check_integrity (free + cached + in use == total)."""
+    built: list[LLM] = []
+    real_init = LLM.__init__
+
+    def recording_init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(LLM, "__init__", recording_init)
+    yield
+    engines = [x.engine for x in built]
+    if "llm" in request.fixturenames:
+        engines.append(request.getfixturevalue("llm").engine)
+    for eng in engines:
+        assert not eng.has_unfinished(), f"{sorted(eng.reqs)} still live after the test"
+        assert eng.cache.locked_pages == 0, f"{eng.cache.locked_pages} prefix pages still locked"
+        eng.check_integrity()
+
+
 def gen(llm, prompts, **params):
     params.setdefault("temperature", 0.0)
     return llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(**params), use_tqdm=False)
