@@ -23,12 +23,11 @@ def group_yaml(tmp_path, pair_paths) -> str:
 
 def long_request(url: str, results: list, stream: bool) -> None:
     body = {"model": "pair", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": stream}
-    t0 = time.monotonic()
     try:
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-        results.append((r.status_code, r.text, time.monotonic() - t0))
+        results.append((r.status_code, r.text, time.monotonic()))
     except httpx.HTTPError as e:
-        results.append((None, repr(e), time.monotonic() - t0))
+        results.append((None, repr(e), time.monotonic()))
 
 
 @pytest.mark.parametrize("restart", [False, True])
@@ -52,7 +51,10 @@ def test_subserver_killed_under_load(tmp_path, pair_paths, restart):
                 assert '"service_unavailable"' in text and "data: [DONE]" in text
             else:
                 assert status == 503 and "service_unavailable" in text, (status, text[:200])
-        assert time.monotonic() - killed_at < 10
+        # The bound: every in-flight request has its clear error within 5 s of the kill.
+        waits = sorted(round(done_at - killed_at, 3) for _, _, done_at in results)
+        print(f"kill -> error, each request: {waits} s")
+        assert all(w < 5.0 for w in waits), waits
         if not restart:
             assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
             r = httpx.post(f"{srv.url}/v1/completions", json={"model": "pair", "prompt": "x", "max_tokens": 2},
