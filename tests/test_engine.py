@@ -203,3 +203,14 @@ def test_bfloat16_runs(model_paths):
     assert llm.engine.pool.k.dtype == torch.bfloat16
     out = gen(llm, prompts_of([9], seed=17), max_tokens=4, ignore_eos=True)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_float16_runs(model_paths):
+    """float16 is selectable and runs on CPU (this torch has the half-precision CPU kernels); the
+    logits stay close to the float32 reference (tests/test_model_parity.py)."""
+    llm = LLM(str(model_paths["llama"]), dtype="float16", kv_cache_tokens=512, page_size=4, device="cpu")
+    assert llm.engine.pool.k.dtype == torch.float16
+    assert all(p.dtype == torch.float16 for p in llm.engine.model.parameters())
+    outs = gen(llm, prompts_of([9, 4], seed=18), max_tokens=4, ignore_eos=True)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
