@@ -107,6 +107,8 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     latency: dict[str, Any] | None = None  # StepLatency measured at start-up, when the planner asked for it
     vocab_hash: str = ""  # model_identity.vocab_hash of its tokenizer
+    torch_threads: int = 0  # torch.get_num_threads() in the serving process (0: not reported)
+    cpu_affinity: list[int] = []  # the cores the process may run on (os.sched_getaffinity), sorted
 
 
 class Join(msgspec.Struct, tag="join"):

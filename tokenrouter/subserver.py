@@ -16,6 +16,7 @@ import traceback
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from tokenrouter.connection_watch import ConnectionWatch
@@ -128,9 +129,11 @@ class Subserver:
             from tokenrouter.profiler import measure_engine
 
             latency = measure_engine(eng, (1, 4, 16), context=64, steps=3, progress=False).to_dict()
+        affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         self._send(self.to_entry, Ready(self.name, self.address, os.getpid(), eng.pool.capacity_tokens,
                                         eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency,
-                                        vocab_hash(eng.tokenizer) if eng.tokenizer is not None else ""))
+                                        vocab_hash(eng.tokenizer) if eng.tokenizer is not None else "",
+                                        torch.get_num_threads(), affinity))
         last_check = time.monotonic()
         stepped = False
         while self.running:
