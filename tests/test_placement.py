@@ -88,9 +88,11 @@ def test_plan_only_where_asked(pair_paths):
 
 def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
     monkeypatch.setattr("tokenrouter.placement.device_memory", lambda d: GIB)  # not this machine's free memory
-    g = group(pair_paths, {"cores": [0]}, {"cores": [0]}, memory_fraction=0.02)
+    g = group(pair_paths, {"cores": [0], "threads": 1}, {"cores": [0], "threads": 2}, memory_fraction=0.02)
     with caplog.at_level(logging.INFO, logger="tokenrouter.entry"), RoutedLLM(g) as llm:
         info = llm.entry.info
+    # Each subserver process applied its own spec (issue 3 section 2): pinned to core 0, its torch threads.
+    assert {n: (r.cpu_affinity, r.torch_threads) for n, r in info.items()} == {"small": ([0], 1), "large": ([0], 2)}
     text = caplog.text
     assert "placement cpu: 0.02 x 1.00 GiB = 0.02 GiB for small, large;" in text
     tokens = {m.name: m.kv_cache_tokens for m in g.models}
