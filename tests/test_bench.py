@@ -9,7 +9,7 @@ from server_utils import ServerProcess
 
 from tokenrouter import cli
 from tokenrouter.bench.loadgen import BenchConfig, RequestResult, summarise
-from tokenrouter.bench.workloads import build_prompts
+from tokenrouter.bench.workloads import build_prompts, output_lengths
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,15 @@ def test_workloads_have_the_papers_shapes():
     assert cap == 64 and all(3000 < len(p) < 5000 for p in agent)  # ~1024 tokens at 4 characters each
     with pytest.raises(ValueError, match="unknown workload"):
         build_prompts("chess", "cpu", 1)
+
+
+def test_output_lengths_are_seeded_and_in_range():
+    caps = output_lengths(100, 400, range_ratio=0.25, seed=3)
+    assert caps == output_lengths(100, 400, range_ratio=0.25, seed=3)
+    assert min(caps) >= 25 and max(caps) <= 100 and len(set(caps)) > 30
+    assert output_lengths(100, 5, range_ratio=1.0) == [100] * 5
+    with pytest.raises(ValueError, match="range_ratio"):
+        output_lengths(100, 5, range_ratio=0.0)
 
 
 def test_summary_statistics():
@@ -91,3 +100,32 @@ def test_bench_compare_side_by_side(tmp_path, pair_paths, capsys):
     shares = [r["tokens_per_model"] for r in rows if r["label"] in ("tokenrouter", "standard")]
     assert shares[0] == shares[1]
     assert "against the stronger baseline" in capsys.readouterr().out
+
+
+def test_bench_compare_on_the_latency_executor(tmp_path, pair_paths, capsys):
+    """Every system on the latency-model executor (each model alone and the standard stack's plain
+    servers from one-model configs, step-sync in-process), with per-request output caps."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({"models": {"small": {"base": 0.002}, "large": {"base": 0.006, "per_seq": 0.0005}}}))
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(
+        "name: pair\nmodels:\n"
+        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+        f"executor: {{mode: latency, profile: {profile}}}\n"
+        "algorithm: {name: bernoulli, p: 0.3}\n")
+    out = tmp_path / "compare.jsonl"
+    rc = cli.main(["bench", "compare", "--config", str(cfg), "--systems", "tokenrouter,small,standard,step-sync",
+                   "--concurrency", "3", "--num-requests", "6", "--max-tokens", "12", "--range-ratio", "0.5",
+                   "--out", str(out)])
+    assert rc == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["tokenrouter", "small", "standard", "step-sync"]
+    caps = output_lengths(12, 6, 0.5, seed=0)
+    assert len(set(caps)) > 1
+    assert all(r["completed"] == 6 and r["output_tokens"] == sum(caps) for r in rows)
+    assert rows[1]["tokens_per_model"] == {"small": sum(caps)}
+    # The latency executor draws tokens per (seed, position) and the router per position, so the
+    # routed systems write the same number of tokens on each model.
+    routed = [r["tokens_per_model"] for r in rows if r["label"] in ("tokenrouter", "standard", "step-sync")]
+    assert routed[0] == routed[1] == routed[2] and routed[0]["large"] > 0

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenrouter.model_runner import StepOutput
+from tokenrouter.models.config import ModelConfig
 from tokenrouter.req import Req
 from tokenrouter.routing.draws import uniform
 from tokenrouter.step_trace import StepTraceWriter
@@ -162,6 +163,15 @@ class LatencyModelRunner:
         self.clock = clock
         self.allowed = torch.tensor([t for t in range(vocab_size) if t not in eos_ids], dtype=torch.int64)
         self.trace = StepTraceWriter.from_env()
+
+    @classmethod
+    def for_model(cls, profile: LatencyProfile, name: str, model_path: str,
+                  clock: InterferenceClock | None = None) -> LatencyModelRunner:
+        """The runner of model `name` (its step latency in `profile`; vocabulary and EOS ids from the
+        folder's config). Without a clock it never slows for a peer."""
+        cfg = ModelConfig.from_folder(model_path)
+        return cls(profile.models[name], cfg.vocab_size, set(cfg.eos_token_ids),
+                   clock or InterferenceClock(0, {}, None))
 
     def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
         start = time.perf_counter()

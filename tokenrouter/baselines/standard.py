@@ -483,11 +483,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def start_plain_server(name: str, model_path: str | Path, log_dir: Path, cores: Sequence[int] | None = None,
-                       server_args: Sequence[str] = ()) -> ManagedProcess:
-    """`tokenrouter serve --model-path PATH` on a free port (not yet waited for)."""
+                       server_args: Sequence[str] = (), source: Sequence[str] | None = None) -> ManagedProcess:
+    """`tokenrouter serve --model-path PATH` on a free port (not yet waited for). `source` replaces
+    `--model-path PATH` (e.g. `--config ONE_MODEL.yaml` for a model on the latency-model executor)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenrouter.cli", "serve", "--model-path", str(model_path), "--port", str(port),
-           "--log-level", "warning", "--grace-period", "5", *server_args]
+    cmd = [sys.executable, "-m", "tokenrouter.cli", "serve", *(source or ["--model-path", str(model_path)]),
+           "--port", str(port), "--log-level", "warning", "--grace-period", "5", *server_args]
     return ManagedProcess(name, cmd, port, log_dir, cores)
 
 
@@ -515,9 +516,13 @@ class StandardStack:
     def __init__(self, small_path: str | Path, large_path: str | Path, p: float, *,
                  small_cores: Sequence[int] | None = None, large_cores: Sequence[int] | None = None,
                  coordinator_cores: Sequence[int] | None = None, server_args: Sequence[str] = (),
+                 small_source: Sequence[str] | None = None, large_source: Sequence[str] | None = None,
                  model_name: str = "standard", log_dir: str | Path | None = None,
                  startup_timeout: float = 180.0) -> None:
+        """`small_source` / `large_source`: serve arguments naming each model instead of `--model-path`
+        (see start_plain_server); the small folder's tokenizer still serves the coordinator."""
         self.small_path, self.large_path, self.p = Path(small_path), Path(large_path), float(p)
+        self.sources = {"small": small_source, "large": large_source}
         self.small_cores, self.large_cores, self.coordinator_cores = small_cores, large_cores, coordinator_cores
         self.server_args = list(server_args)
         self.model_name = model_name
@@ -540,9 +545,11 @@ class StandardStack:
 
     def start(self) -> "StandardStack":
         try:
-            self.small = start_plain_server("small", self.small_path, self.log_dir, self.small_cores, self.server_args)
+            self.small = start_plain_server("small", self.small_path, self.log_dir, self.small_cores, self.server_args,
+                                            self.sources["small"])
             self.procs.append(self.small)
-            self.large = start_plain_server("large", self.large_path, self.log_dir, self.large_cores, self.server_args)
+            self.large = start_plain_server("large", self.large_path, self.log_dir, self.large_cores, self.server_args,
+                                            self.sources["large"])
             self.procs.append(self.large)
             self.small.wait_healthy(self.startup_timeout)
             self.large.wait_healthy(self.startup_timeout)

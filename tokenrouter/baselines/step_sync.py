@@ -10,6 +10,7 @@ so the comparison isolates the execution model.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tokenrouter.engine import Engine
@@ -46,9 +47,13 @@ def _run_until_sampled(engine: Engine, want: set[str]) -> dict[str, int]:
 
 
 def run_step_sync(small: Engine, large: Engine, router: DeferToLarge, prompts: list[list[int]],
-                  params: SamplingParams, concurrency: int, seed: int = 0) -> SyncResult:
+                  params: SamplingParams | Sequence[SamplingParams], concurrency: int, seed: int = 0) -> SyncResult:
     """Serve `prompts` in static batches of `concurrency`, routing with `router` (route() on the small
-    model's step; the large model writes exactly one token per routed position)."""
+    model's step; the large model writes exactly one token per routed position). `params`: one for
+    every request, or one per request."""
+    per_req = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+    if len(per_req) != len(prompts):
+        raise ValueError(f"{len(per_req)} sampling params for {len(prompts)} prompts")
     res = SyncResult(tokens_per_model={router.small: 0, router.large: 0})
     start = time.perf_counter()
     for b0 in range(0, len(prompts), concurrency):
@@ -56,7 +61,7 @@ def run_step_sync(small: Engine, large: Engine, router: DeferToLarge, prompts: l
         live: dict[str, Req] = {}
         for i, ids in enumerate(prompts[b0:b0 + concurrency], start=b0):
             rid = f"sync-{i}"
-            live[rid] = small.add_request(ids, params, rid=rid, seed=seed + i)
+            live[rid] = small.add_request(ids, per_req[i], rid=rid, seed=seed + i)
             res.outputs[rid], res.writers[rid] = [], []
         while live:
             out = small.forward_step()

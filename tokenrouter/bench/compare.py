@@ -6,6 +6,12 @@ server), `standard` (plain single-model servers and an outside one-token-at-a-ti
 bernoulli routing, at tokenrouter's measured large-model share for router algorithms), and
 `step-sync` (the research codes' execution: static batches, a global barrier; run in-process on our
 engines, so it pays no HTTP cost, which favours it).
+
+A group on the latency-model executor (`executor: {mode: latency, profile: ...}`) puts every system on
+it: each model alone, the standard stack's plain servers and step-sync's engines wait the profile's
+step latencies too, so the comparison is at the profile's (paper) scale while HTTP, tokenising,
+scheduling and transport stay real. `--range-ratio` gives requests output caps drawn between
+ratio x cap and cap (the same for every system), as answers that end at EOS have.
 """
 
 from __future__ import annotations
@@ -13,26 +19,49 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import tempfile
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
 from tokenrouter.bench.server_process import ServerProcess
-from tokenrouter.bench.workloads import WORKLOADS, build_prompts
+from tokenrouter.bench.workloads import WORKLOADS, build_prompts, output_lengths
 from tokenrouter.group_config import GroupConfig
 
 SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync")
 
 
-def _http_run(url: str, model: str, prompts: list[str], cap: int, c: int, n: int, seed: int) -> dict[str, Any]:
-    cfg = BenchConfig(base_url=url, model=model, prompts=prompts, max_tokens=cap, num_requests=n, concurrency=c,
-                      warmup=min(2, n), seed=seed)
+def _http_run(url: str, model: str, prompts: list[str], caps: list[int], c: int, n: int,
+              seed: int) -> dict[str, Any]:
+    cfg = BenchConfig(base_url=url, model=model, prompts=prompts, max_tokens=max(caps), num_requests=n,
+                      concurrency=c, warmup=min(2, n), seed=seed, output_lens=caps)
     summary, _ = asyncio.run(run_bench(cfg, progress=False))
     return summary
 
 
-def _step_sync(group: GroupConfig, prompts: list[str], cap: int, c: int, seed: int) -> dict[str, Any]:
+def _on_latency_executor(group: GroupConfig) -> bool:
+    return group.executor.get("mode") == "latency"
+
+
+def _alone_config(group: GroupConfig, name: str, folder: str, page_size: int | None = None) -> str:
+    """A YAML serving model `name` of the group alone, on the group's executor (so on the latency
+    executor a model alone waits the same step latencies as in the group)."""
+    d = group.to_dict()
+    d["models"] = [{**m, "page_size": page_size or m["page_size"]} for m in d["models"] if m["name"] == name]
+    d.update(algorithm="single", algorithm_params={}, name=name, launch={"policy": "eager"})
+    if "routers" in d:
+        d["routers"] = {}
+    path = Path(folder) / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(d, sort_keys=False))
+    return str(path)
+
+
+def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, seed: int) -> dict[str, Any]:
     from tokenrouter.baselines.step_sync import run_step_sync
     from tokenrouter.engine import Engine
+    from tokenrouter.latency_model import LatencyModelRunner
     from tokenrouter.routing import make_algorithm
     from tokenrouter.routing.deferral import DeferToLarge
     from tokenrouter.sampling_params import SamplingParams
@@ -40,12 +69,20 @@ def _step_sync(group: GroupConfig, prompts: list[str], cap: int, c: int, seed: i
     router = make_algorithm(group.algorithm, group.names, group.algorithm_params)
     if not isinstance(router, DeferToLarge):
         raise ValueError(f"step-sync runs one-token deferral algorithms, not {group.algorithm!r}")
-    engines = [Engine(group.spec(n).engine_config(group.seed), outputs=router.outputs(n)) for n in group.names]
+    profile = group.latency_profile() if _on_latency_executor(group) else None
+    engines = []
+    for name in group.names:
+        spec = group.spec(name)
+        if profile is not None:  # the models never step at once here, so interference does not arise
+            runner = LatencyModelRunner.for_model(profile, name, spec.path)
+            engines.append(Engine(spec.engine_config(group.seed), latency_runner=runner))
+        else:
+            engines.append(Engine(spec.engine_config(group.seed), outputs=router.outputs(name)))
     for name, eng in zip(group.names, engines):
         router.bind(name, eng)
     ids = [engines[0].tokenize(p) for p in prompts]
-    res = run_step_sync(engines[0], engines[1], router, ids, SamplingParams(max_tokens=cap, temperature=0.0,
-                                                                            ignore_eos=True), c, seed=seed)
+    params = [SamplingParams(max_tokens=cap, temperature=0.0, ignore_eos=True) for cap in caps]
+    res = run_step_sync(engines[0], engines[1], router, ids, params, c, seed=seed)
     return {"concurrency": c, "completed": len(ids), "failed": 0, "output_tokens": res.output_tokens,
             "duration_s": res.wall_seconds, "output_throughput": res.throughput,
             "per_user_tok_s": {"mean": sum(res.per_user) / len(res.per_user)},
@@ -53,13 +90,15 @@ def _step_sync(group: GroupConfig, prompts: list[str], cap: int, c: int, seed: i
 
 
 def compare(config: str, systems: list[str], workload: str, scale: str, concurrencies: list[int], num_requests: int,
-            max_tokens: int | None, seed: int, out: str | None) -> list[dict[str, Any]]:
+            max_tokens: int | None, seed: int, out: str | None, range_ratio: float = 1.0) -> list[dict[str, Any]]:
     group = GroupConfig.from_yaml(config)
     if len(group.models) != 2:
         raise ValueError("compare needs a group of two models (small first, large second)")
-    small, large = group.models
     prompts, cap = build_prompts(workload, scale, num_requests, seed)
-    cap = max_tokens or cap
+    caps = output_lengths(max_tokens or cap, len(prompts), range_ratio, seed)
+    if _on_latency_executor(group) and any(group.latency_profile().interference.get(m, {}) for m in group.names):
+        print("  note: the profile's interference slows only the routed group's co-located subservers; the "
+              "baselines' separate servers run without it, which favours them", flush=True)
     rows: list[dict[str, Any]] = []
 
     def record(system: str, summary: dict[str, Any]) -> None:
@@ -71,39 +110,59 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
               f"per-user {summary['per_user_tok_s']['mean'] or 0:7.1f} tok/s  {summary.get('tokens_per_model', {})}",
               flush=True)
 
-    for system in systems:
-        if system not in SYSTEMS:
-            raise ValueError(f"unknown system {system!r}; available: {', '.join(SYSTEMS)}")
-        print(f"{system}:", flush=True)
-        if system == "step-sync":
-            for c in concurrencies:
-                record(system, _step_sync(group, prompts, cap, c, seed))
-            continue
-        if system == "standard":
-            from tokenrouter.baselines.standard import StandardStack
-
-            with StandardStack(small.path, large.path, _standard_p(group, rows),
-                               small_cores=small.cores, large_cores=large.cores,
-                               server_args=["--page-size", "1"]) as stack:
+    with tempfile.TemporaryDirectory(prefix="tokenrouter-compare-") as tmp:
+        for system in systems:
+            if system not in SYSTEMS:
+                raise ValueError(f"unknown system {system!r}; available: {', '.join(SYSTEMS)}")
+            print(f"{system}:", flush=True)
+            if system == "step-sync":
                 for c in concurrencies:
-                    record(system, _http_run(stack.url, stack.model_name, prompts, cap, c, num_requests, seed))
-            continue
-        if system == "tokenrouter":
-            args, model = ["--config", config], group.name
-        else:
-            spec = small if system == "small" else large
-            args, model = ["--model-path", spec.path, "--served-model-name", system,
-                           "--page-size", str(spec.page_size)], system
-            if spec.kv_cache_tokens:
-                args += ["--kv-cache-tokens", str(spec.kv_cache_tokens)]
-        srv = ServerProcess(args + ["--log-level", "warning"], startup_timeout=600)
-        try:
-            for c in concurrencies:
-                record(system, _http_run(srv.url, model, prompts, cap, c, num_requests, seed))
-        finally:
-            srv.stop()
+                    record(system, _step_sync(group, prompts, caps, c, seed))
+            elif system == "standard":
+                for summary in _standard(group, rows, tmp, prompts, caps, concurrencies, num_requests, seed):
+                    record(system, summary)
+            else:
+                for summary in _alone_or_routed(group, config, system, tmp, prompts, caps, concurrencies,
+                                                num_requests, seed):
+                    record(system, summary)
     _print_ratios(rows, concurrencies)
     return rows
+
+
+def _standard(group: GroupConfig, rows: list[dict[str, Any]], tmp: str, prompts: list[str], caps: list[int],
+              concurrencies: list[int], num_requests: int, seed: int) -> list[dict[str, Any]]:
+    from tokenrouter.baselines.standard import StandardStack
+
+    small, large = group.models
+    # Page size 1: a one-token request then recomputes nothing its prefix cache holds (see standard.py).
+    sources = {m.name: ["--config", _alone_config(group, m.name, tmp, page_size=1)] for m in group.models} \
+        if _on_latency_executor(group) else {}
+    with StandardStack(small.path, large.path, _standard_p(group, rows), small_cores=small.cores,
+                       large_cores=large.cores, small_source=sources.get(small.name),
+                       large_source=sources.get(large.name), server_args=[] if sources else ["--page-size", "1"]) \
+            as stack:
+        return [_http_run(stack.url, stack.model_name, prompts, caps, c, num_requests, seed) for c in concurrencies]
+
+
+def _alone_or_routed(group: GroupConfig, config: str, system: str, tmp: str, prompts: list[str], caps: list[int],
+                     concurrencies: list[int], num_requests: int, seed: int) -> list[dict[str, Any]]:
+    """`tokenrouter` (the group of `config`) or `small` / `large` (that model alone), in our server."""
+    if system == "tokenrouter":
+        args, model = ["--config", config], group.name
+    else:
+        spec = group.models[0] if system == "small" else group.models[1]
+        model = system
+        if _on_latency_executor(group):
+            args = ["--config", _alone_config(group, spec.name, tmp), "--served-model-name", system]
+        else:
+            args = ["--model-path", spec.path, "--served-model-name", system, "--page-size", str(spec.page_size)]
+            if spec.kv_cache_tokens:
+                args += ["--kv-cache-tokens", str(spec.kv_cache_tokens)]
+    srv = ServerProcess(args + ["--log-level", "warning"], startup_timeout=600)
+    try:
+        return [_http_run(srv.url, model, prompts, caps, c, num_requests, seed) for c in concurrencies]
+    finally:
+        srv.stop()
 
 
 def _standard_p(group: GroupConfig, rows: list[dict[str, Any]]) -> float:
@@ -144,7 +203,9 @@ def add_compare_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
     c.add_argument("--scale", default="cpu", choices=["cpu", "paper"])
     c.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     c.add_argument("--num-requests", type=int, default=16)
-    c.add_argument("--max-tokens", type=int, default=None)
+    c.add_argument("--max-tokens", type=int, default=None, help="override the workload's output cap")
+    c.add_argument("--range-ratio", type=float, default=1.0,
+                   help="output caps uniform in [ratio x cap, cap] per request, the same for every system")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default=None, help="append the rows (JSONL) here")
     c.set_defaults(func=lambda a: _cmd(a))
@@ -152,6 +213,6 @@ def add_compare_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
 
 def _cmd(args: argparse.Namespace) -> int:
     rows = compare(args.config, [s.strip() for s in args.systems.split(",") if s.strip()], args.workload, args.scale,
-                   args.concurrency, args.num_requests, args.max_tokens, args.seed, args.out)
+                   args.concurrency, args.num_requests, args.max_tokens, args.seed, args.out, args.range_ratio)
     print(json.dumps({"rows": len(rows)}))
     return 0

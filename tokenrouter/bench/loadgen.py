@@ -44,6 +44,10 @@ class BenchConfig:
     seed: int = 0
     timeout: float = 600.0
     extra_body: dict[str, Any] = field(default_factory=dict)
+    output_lens: list[int] | None = None  # per-request caps (request i: output_lens[i]), else max_tokens for all
+
+    def cap(self, i: int) -> int:
+        return self.output_lens[i % len(self.output_lens)] if self.output_lens else self.max_tokens
 
 
 def _pcts(xs: list[float]) -> dict[str, float | None]:
@@ -83,8 +87,8 @@ def summarise(cfg: BenchConfig, results: list[RequestResult], duration: float) -
     }
 
 
-async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str, seed: int) -> RequestResult:
-    body = {"model": cfg.model, "prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str, seed: int, max_tokens: int) -> RequestResult:
+    body = {"model": cfg.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "seed": seed, **cfg.extra_body}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
@@ -137,7 +141,7 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[dict[str, 
     limits = httpx.Limits(max_connections=max(64, (cfg.concurrency or 0) * 2))
     rng = random.Random(cfg.seed)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout, limits=limits) as client:
-        warm = [_one(client, cfg, cfg.prompts[i % len(cfg.prompts)], 10**6 + i) for i in range(cfg.warmup)]
+        warm = [_one(client, cfg, cfg.prompts[i % len(cfg.prompts)], 10**6 + i, cfg.cap(i)) for i in range(cfg.warmup)]
         for r in await asyncio.gather(*warm):
             if not r.ok:
                 raise RuntimeError(f"warm-up request failed: {r.error}")
@@ -145,7 +149,7 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[dict[str, 
         results: list[RequestResult] = []
 
         async def job(i: int) -> None:
-            r = await _one(client, cfg, cfg.prompts[i % len(cfg.prompts)], cfg.seed * 100_003 + i)
+            r = await _one(client, cfg, cfg.prompts[i % len(cfg.prompts)], cfg.seed * 100_003 + i, cfg.cap(i))
             results.append(r)
             bar.update(1)
 

@@ -8,6 +8,7 @@ with shorter outputs. Each has a CPU scale of the same shape with smaller caps.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,20 @@ def problems() -> list[str]:
 
 def solution_texts() -> list[str]:
     return [t for p in champ.problems() for t in p.solutions]
+
+
+def output_lengths(cap: int, n: int, range_ratio: float = 1.0, seed: int = 0) -> list[int]:
+    """Per-request output caps, uniform over [ceil(range_ratio * cap), cap] and seeded, so every system
+    of a comparison gets the same ones (SGLang's bench_serving draws lengths this way with
+    --random-range-ratio). Reasoning answers end at EOS after very different lengths; 1.0 gives every
+    request the whole cap."""
+    if not 0.0 < range_ratio <= 1.0:
+        raise ValueError(f"range_ratio must be in (0, 1], got {range_ratio}")
+    if cap < 1:
+        raise ValueError(f"the output cap must be >= 1, got {cap}")
+    low = max(1, math.ceil(range_ratio * cap))
+    rng = random.Random(seed * 7919 + 17)
+    return [rng.randint(low, cap) for _ in range(n)]
 
 
 def build_prompts(workload: str, scale: str, n: int, seed: int = 0, tokenizer: Any = None) -> tuple[list[str], int]:
