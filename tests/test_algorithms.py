@@ -95,6 +95,19 @@ def test_router_for_another_pair_is_refused(pair_paths, routers, tmp_path):
         RoutedLLM(group(pair_paths, {"name": "citer", "router": str(bad)}))
 
 
+@pytest.mark.parametrize("kind", ["citer", "r2r", "co_llm"])
+def test_router_for_another_large_model_is_refused(kind, pair_paths, routers, tmp_path):
+    bad = tmp_path / kind
+    shutil.copytree(routers[kind], bad)
+    meta = json.loads((bad / "router.json").read_text())
+    meta["pair"]["large"] = {"fingerprint": "0123456789abcdef", "path": "/models/another-large"}
+    (bad / "router.json").write_text(json.dumps(meta))
+    with pytest.raises(SubserverDied, match="trained for another large model") as err:
+        RoutedLLM(group(pair_paths, {"name": kind, "router": str(bad)}))
+    assert f"trained for large model /models/another-large (fingerprint 0123456789abcdef), this group's large " \
+           f"model is {pair_paths['large']} (fingerprint {fingerprint(pair_paths['large'])})" in str(err.value)
+
+
 def test_bad_algorithm_settings_are_clear(pair_paths, routers, tmp_path):
     with pytest.raises(ValueError, match="not a router folder"):
         make_algorithm("citer", ["small", "large"], {"router": str(tmp_path)})

@@ -9,7 +9,7 @@ import torch
 
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import DeferToLarge
-from tokenrouter.routing.routers import LoadedRouter, engine_fingerprint, load_router, router_meta
+from tokenrouter.routing.routers import LoadedRouter, check_engine, load_router, router_meta
 
 if TYPE_CHECKING:
     from tokenrouter.engine import Engine
@@ -31,9 +31,10 @@ class CoLLM(DeferToLarge):
         return StepOutputSpec(hidden=model == self.small)
 
     def bind(self, model: str, engine: Engine) -> None:
+        # Both models: the router was trained on this pair's hidden states and tokens.
+        check_engine(self.router_path, "co_llm", "small" if model == self.small else "large", engine)
         if model == self.small:
             self.router = load_router(self.router_path, "co_llm")
-            self.router.check_pair("small", engine_fingerprint(engine))
 
     @torch.inference_mode()
     def defer(self, step: StepOutput) -> torch.Tensor:

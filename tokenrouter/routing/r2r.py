@@ -10,7 +10,7 @@ import torch
 
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import DeferToLarge
-from tokenrouter.routing.routers import LoadedRouter, engine_fingerprint, load_router, router_meta
+from tokenrouter.routing.routers import LoadedRouter, check_engine, load_router, router_meta
 
 if TYPE_CHECKING:
     from tokenrouter.engine import Engine
@@ -34,9 +34,10 @@ class R2R(DeferToLarge):
         return StepOutputSpec()
 
     def bind(self, model: str, engine: Engine) -> None:
+        # Both models: the router was trained on this pair's hidden states and tokens.
+        check_engine(self.router_path, "r2r", "small" if model == self.small else "large", engine)
         if model == self.small:
             self.router = load_router(self.router_path, "r2r")
-            self.router.check_pair("small", engine_fingerprint(engine))
             self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
 
     @torch.inference_mode()

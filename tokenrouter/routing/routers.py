@@ -2,8 +2,8 @@
 
 A router folder holds `router.safetensors` and `router.json`: the kind, its architecture, the inputs
 it reads (which model, which layer), the calibrated threshold, and the model pair it was trained
-for. Routers read raw hidden states, which mean nothing for another model, so loading checks the
-pair's fingerprints and refuses a mismatch.
+for. Routers read raw hidden states, which mean nothing for another model, so binding checks the
+fingerprints of both models of the pair and refuses a mismatch.
 """
 
 from __future__ import annotations
@@ -125,21 +125,39 @@ def save_router(folder: str | Path, head: nn.Module, threshold: float, pair: dic
 
 
 class LoadedRouter:
-    def __init__(self, head: nn.Module, meta: dict[str, Any]) -> None:
+    def __init__(self, head: nn.Module, meta: dict[str, Any], folder: str | Path | None = None) -> None:
         self.head = head.eval()
         self.meta = meta
+        self.folder = folder
         self.threshold = float(meta["threshold"])
 
     @property
     def kind(self) -> str:
         return str(self.meta["kind"])
 
-    def check_pair(self, role: str, fingerprint: str) -> None:
+    def check_pair(self, role: str, fingerprint: str, model: str | None = None) -> None:
         """Refuse to run on a model this router was not trained for."""
-        want = self.meta.get("pair", {}).get(role, {}).get("fingerprint")
-        if want is not None and want != fingerprint:
-            raise ValueError(f"this {self.kind} router was trained for another {role} model "
-                             f"(fingerprint {want}, this model {fingerprint}); train one for this pair")
+        check_pair(self.meta, role, fingerprint, model, self.folder)
+
+
+def check_pair(meta: dict[str, Any], role: str, fingerprint: str, model: str | None = None,
+               folder: str | Path | None = None) -> None:
+    """Refuse a `role` ("small" or "large") model whose fingerprint is not the one the router of
+    `meta` was trained for; `model` (its path) and `folder` (the router's) make the message clear."""
+    trained = meta.get("pair", {}).get(role, {})
+    want = trained.get("fingerprint")
+    if want is None or want == fingerprint:
+        return
+    router = f"{meta.get('kind')} router" + (f" {folder}" if folder is not None else "")
+    was = f"{trained['path']} (fingerprint {want})" if trained.get("path") else f"fingerprint {want}"
+    now = f"{model} (fingerprint {fingerprint})" if model else f"fingerprint {fingerprint}"
+    raise ValueError(f"this {router} was trained for another {role} model: it was trained for {role} model "
+                     f"{was}, this group's {role} model is {now}; train one for this pair")
+
+
+def check_engine(folder: str | Path, kind: str, role: str, engine: Any) -> None:
+    """check_pair for the model an engine serves, in the role it has in the group."""
+    check_pair(router_meta(folder, kind), role, engine_fingerprint(engine), engine.cfg.model_path, folder)
 
 
 def router_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
@@ -157,8 +175,13 @@ def router_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
 
 
 def engine_fingerprint(engine: Any) -> str:
-    """The fingerprint of the model an engine serves (see model_fingerprint)."""
+    """The fingerprint of the model an engine serves (see model_fingerprint). Under tensor parallelism
+    the embedding is read from the checkpoint for this and not kept (a large model's would be big)."""
     config = json.loads((Path(engine.cfg.model_path) / "config.json").read_text())
+    if getattr(engine, "tp", None) is not None and getattr(engine, "_full_embedding", None) is None:
+        from tokenrouter.model_loader import load_tensor
+
+        return model_fingerprint(config, load_tensor(engine.cfg.model_path, "model.embed_tokens.weight"))
     return model_fingerprint(config, engine.embedding_weight())
 
 
@@ -170,4 +193,4 @@ def load_router(folder: str | Path, kind: str | None = None) -> LoadedRouter:
         raise ValueError(f"{folder}: unknown router kind {meta.get('kind')!r}")
     head = cls(**meta["arch"])
     head.load_state_dict(load_file(str(folder / "router.safetensors")))
-    return LoadedRouter(head, meta)
+    return LoadedRouter(head, meta, folder)
