@@ -34,9 +34,8 @@ from tokenrouter.config import EngineConfig
 from tokenrouter.engine import Engine
 from tokenrouter.entry import Entry
 from tokenrouter.group_config import GroupConfig
-from tokenrouter.latency_model import InterferenceClock, LatencyModelRunner, LatencyProfile
+from tokenrouter.latency_model import LatencyModelRunner, LatencyProfile
 from tokenrouter.messages import SetThresholds
-from tokenrouter.models.config import ModelConfig
 from tokenrouter.planner import Runtime, best_thresholds, throughput_curve, zero_wait_bound
 from tokenrouter.random_model import build_random_model
 from tokenrouter.routing import make_algorithm
@@ -63,11 +62,9 @@ def closed_loop(entry: Entry, n: int, b: int, prompts, params) -> OfflineResult:
 
 
 def run_sync(path: str, profile: LatencyProfile, p: float, n: int, prompts, params):
-    cfg = ModelConfig.from_folder(path)
     engines = {}
     for name in ("small", "large"):
-        runner = LatencyModelRunner(profile.models[name], cfg.vocab_size, set(cfg.eos_token_ids),
-                                    InterferenceClock(0, {}, None))
+        runner = LatencyModelRunner.for_model(profile, name, path)
         engines[name] = Engine(EngineConfig(model_path=path, kv_cache_tokens=1 << 16, max_running_requests=64),
                                latency_runner=runner)
     router = make_algorithm("bernoulli", ["small", "large"], {"p": p})

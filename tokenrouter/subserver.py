@@ -47,7 +47,6 @@ from tokenrouter.messages import (
 )
 from tokenrouter.model_identity import vocab_hash
 from tokenrouter.model_runner import StepOutput
-from tokenrouter.models.config import ModelConfig
 from tokenrouter.req import Req
 from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.transport_security import secure_client, secure_server, start_authenticator
@@ -81,8 +80,7 @@ class Subserver:
             names = group.names
             alphas = {names.index(p): a for p, a in profile.interference.get(spec.name, {}).items() if p in names}
             self.clock = InterferenceClock(names.index(spec.name), alphas, group.executor.get("flags"))
-            cfg = ModelConfig.from_folder(spec.path)
-            runner = LatencyModelRunner(profile.models[spec.name], cfg.vocab_size, set(cfg.eos_token_ids), self.clock)
+            runner = LatencyModelRunner.for_model(profile, spec.name, spec.path, self.clock)
         self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name),
                              latency_runner=runner)
         self.algorithm.bind(spec.name, self.engine)
