@@ -48,7 +48,7 @@ def test_tcp_needs_a_secret_on_any_interface(pair_paths, monkeypatch, host):
     GroupConfig.from_dict({**cfg, "secret": SECRET})  # fine with one
     monkeypatch.setenv("TOKENROUTER_SECRET", SECRET)
     assert GroupConfig.from_dict(cfg).secret == SECRET  # or from the environment
-    GroupConfig.from_dict({k: v for k, v in cfg.items() if k != "transport"})  # ipc needs none
+    assert GroupConfig.from_dict({k: v for k, v in cfg.items() if k != "transport"}).transport == "ipc"  # needs none
 
 
 def rogue_shutdown(address: str, secret: str | None = None) -> None:
@@ -70,7 +70,10 @@ def rogue_shutdown(address: str, secret: str | None = None) -> None:
 
 def test_secured_group_serves_and_refuses_strangers(pair_paths):
     params = SamplingParams(max_tokens=10, temperature=0.0, seed=4, ignore_eos=True)
-    with RoutedLLM({**group(pair_paths), "transport": "ipc"}) as plain:
+    default = {k: v for k, v in group(pair_paths).items() if k != "transport"}
+    with RoutedLLM(default) as plain:  # ipc by default: unix sockets, unreachable from other machines
+        assert all(r.address.startswith("ipc://") for r in plain.entry.info.values())
+        assert plain.entry.entry_address.startswith("ipc://")
         want = plain.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
     with RoutedLLM(group(pair_paths, secret=SECRET)) as llm:
         out = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params, use_tqdm=False, timeout=60)
