@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -222,6 +223,54 @@ def test_sigterm_drains_and_leaves_no_orphans(pair_paths):
     while any(alive(p) for p in srv.subservers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in srv.subservers)
+
+
+def test_sigterm_mid_stream_ends_the_stream_and_exits_cleanly(tmp_path, pair_paths):
+    # The latency-model executor makes every step take 50 ms: 480 tokens would take 24 s, far past the
+    # 2 s grace period, so SIGTERM lands mid-stream and the grace period runs out before it completes.
+    cfg = tmp_path / "slow.yaml"
+    cfg.write_text("name: pair\nmodels:\n"
+                   f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+                   f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+                   "algorithm: {name: bernoulli, p: 0.3}\n"
+                   "executor: {mode: latency, profile: {models: {small: {base: 0.05}, large: {base: 0.05}}}}\n")
+    grace = 2.0
+    srv = ServerProcess(["--config", str(cfg), "--grace-period", str(grace)])
+    procs = set(srv.pids) | set(srv.subservers)  # the server, its two subservers and any helper process
+    body = {"model": "pair", "prompt": "x", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    try:
+        assert len(srv.subservers) >= 2 and all(alive(p) for p in procs)
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=httpx.Timeout(30.0)) as s:
+            assert s.status_code == 200
+            lines = s.iter_lines()
+            for line in lines:  # bounded: the first token event
+                if line.startswith("data: {"):
+                    events.append(line[6:])
+                    break
+            srv.terminate()  # SIGTERM with the request in flight
+            with contextlib.suppress(httpx.HTTPError):  # the server may cut the connection instead
+                for line in lines:
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+        rc = srv.proc.wait(timeout=grace + 30)  # the grace period plus a generous bound for shutdown
+    finally:
+        srv.stop()
+    assert rc == 0, srv.log_tail()
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    choices = [c["choices"][0] for c in chunks if c.get("choices")]
+    finished = [ch["finish_reason"] for ch in choices if ch.get("finish_reason")]
+    # The stream ends recognisably: [DONE] after either the finish reason (it completed within the
+    # grace period: not with 24 s of work) or an error event saying why it was cut short.
+    assert events and events[-1] == "[DONE]", f"the stream was cut off: {events[-3:]}"
+    assert not finished, "a 24 s request finished within the 2 s grace period"
+    assert "error" in chunks[-1], f"no error event before [DONE]: {events[-3:]}"
+    assert "shutting down" in chunks[-1]["error"]["message"]
+    assert 1 <= len(choices) < 480
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in procs), "orphan processes remain after SIGTERM"
 
 
 def test_return_token_ids(client):

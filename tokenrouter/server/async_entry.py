@@ -122,6 +122,16 @@ class AsyncEntry:
             self._commands.put(("abort", rid))
             self._wake()
 
+    def abort_all(self, message: str) -> int:
+        """End every request in flight with an error (503: its stream gets an error event, then
+        [DONE]) and abort it on the subservers; how many there were. For the end of a shutdown's
+        grace period."""
+        rids = list(self._streams)
+        for rid in rids:
+            self._post(rid, Done("error", None, "", message, {}, 0, fatal=True))
+            self.abort(rid)
+        return len(rids)
+
     async def stats(self) -> dict[str, Stats]:
         fut: asyncio.Future[dict[str, Stats]] = asyncio.get_running_loop().create_future()
         self._commands.put(("stats", fut, asyncio.get_running_loop()))
