@@ -85,6 +85,34 @@ def test_deferral_algorithms_are_exact_and_write_one_peer_token(kind, param, pai
     assert stats.handoffs == 2 * large - last_by_large
 
 
+def test_citer_hands_exactly_the_positions_where_its_rule_fires(pair_paths, hf, routers):
+    """The large model writes position p iff the CITER head, recomputed offline from the small model's
+    last hidden state after prompt + output[:p], gives a confidence below tau."""
+    from tokenrouter.routing.routers import load_router
+
+    head = load_router(routers["citer"], "citer").head
+    tau = json.loads((routers["citer"] / "router.json").read_text())["threshold"]
+    prompts = prompts_of([5, 11, 17], seed=41)
+    outs, _ = run(group(pair_paths, {"name": "citer", "router": str(routers["citer"]), "tau": tau}), prompts)
+    checked = fired = 0
+    for prompt, out in zip(prompts, outs):
+        c = out.outputs[0]
+        seq = torch.tensor([prompt + c.token_ids])
+        with torch.no_grad():
+            hidden = hf["small"].model(input_ids=seq).last_hidden_state[0]
+            # Position p is decided on the hidden state of the token before it (row len(prompt) + p - 1).
+            confidence = torch.sigmoid(head(hidden[len(prompt) - 1:-1]))
+        for p, (conf, model) in enumerate(zip(confidence.tolist(), c.token_models)):
+            if abs(conf - tau) < 1e-4:
+                continue  # too close to call across kernels
+            rule = conf < tau
+            assert (model == "large") == rule, (f"position {p}: confidence {conf:.6f} vs tau {tau:.6f}, "
+                                                f"written by {model}")
+            checked += 1
+            fired += rule
+    assert checked >= 40 and 0 < fired < checked, (checked, fired)
+
+
 def test_router_for_another_pair_is_refused(pair_paths, routers, tmp_path):
     bad = tmp_path / "citer"
     shutil.copytree(routers["citer"], bad)
