@@ -96,6 +96,55 @@ def test_chat(client):
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content
 
 
+def test_completion_logprobs(client):
+    kw = dict(model=MODEL, prompt="Log me", max_tokens=6, temperature=0, seed=4, logprobs=2,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert lp is not None and r.usage.completion_tokens == 6
+    assert len(c.model_extra["token_ids"]) == len(lp.tokens) == len(lp.token_logprobs) == 6
+    assert len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        # Two of the byte-level vocabulary's tokens may render as the same text (U+FFFD), so the dict,
+        # keyed by text as OpenAI's is, holds one or two entries (the later one wins a clash).
+        assert 1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
+        assert chosen <= 0 and chosen >= max(top.values()) - 1e-4  # greedy: the sampled token is the top one
+        if len(top) == 2:
+            assert chosen == pytest.approx(max(top.values()), abs=1e-4)
+    streamed = [ch.choices[0].logprobs for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert sum(len(x.tokens) for x in streamed if x is not None) == 6
+
+
+def test_chat_without_a_template_uses_chatml(tmp_path, pair_paths):
+    import shutil
+
+    from tokenrouter.server.app import chat_prompt
+    from tokenrouter.tokenizer import load_tokenizer
+
+    folder = tmp_path / "notemplate"
+    shutil.copytree(pair_paths["small"], folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    tok_cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    tok = load_tokenizer(folder)
+    assert tok.chat_template is None
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chatml = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_prompt(tok, msgs) == chatml
+    srv = ServerProcess(["--model-path", str(folder), "--kv-cache-tokens", "1024", "--page-size", "4"])
+    try:
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.chat.completions.create(model="notemplate", messages=msgs, max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        assert r.usage.prompt_tokens == len(tok.encode(chatml, add_special_tokens=False))
+        assert "no chat template; chat requests use ChatML" in srv.log_tail(20000)
+    finally:
+        assert srv.stop() == 0
+
+
 def test_stop_string(client):
     free = client.completions.create(model=MODEL, prompt="abc", max_tokens=16, temperature=0, seed=2,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -36,6 +36,14 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """The prompt text of a chat: the tokenizer's chat template, or ChatML when it has none, with the
+    assistant's turn opened."""
+    template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+    return str(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
+                                             tokenize=False))
+
+
 @dataclass
 class ServerConfig:
     model_name: str
@@ -289,10 +297,8 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         check_auth(request)
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
         try:
-            text = tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                 tokenize=False)
+            text = chat_prompt(tokenizer, messages)
         except Exception as e:  # noqa: BLE001 - a template that rejects these messages
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
