@@ -20,12 +20,11 @@ class Citer(DeferToLarge):
 
     def __init__(self, models: list[str], router: str, tau: float | None = None) -> None:
         super().__init__(models)
-        meta = router_meta(router, "citer")
+        router_meta(router, "citer")  # fail fast on a missing or wrong router folder
         self.router_path = router
         self.tau = float(tau) if tau is not None else 0.98
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"citer: tau must be in [0, 1], got {tau}")
-        self.calibrated = meta["threshold"]
         self.router: LoadedRouter | None = None
 
     def outputs(self, model: str) -> StepOutputSpec:

@@ -61,7 +61,7 @@ class TrainSettings:
     batch_size: int = 256
     patience: int = 5
     pos_weight: float = 1.0  # BCE weight of positives (tokens that should go to the large model)
-    width: int | None = None  # R2R body width (default: the hidden size)
+    width: int | None = None  # R2R body width (default: a quarter of the hidden size, at least 64)
     blocks: int = 6  # R2R residual blocks
     init_epochs: int = 3  # Co-LLM: epochs of BCE on the weak labels before the mixture loss
     # Co-LLM full fine-tuning of the small model (the published method)
