@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+WARMUP_TOKENS = 16  # output cap of each warm-up request
+
 
 @dataclass
 class RequestResult:
@@ -141,7 +143,9 @@ async def run_bench(cfg: BenchConfig, progress: bool = True) -> tuple[dict[str, 
     limits = httpx.Limits(max_connections=max(64, (cfg.concurrency or 0) * 2))
     rng = random.Random(cfg.seed)
     async with httpx.AsyncClient(base_url=cfg.base_url, headers=headers, timeout=cfg.timeout, limits=limits) as client:
-        warm = [_one(client, cfg, cfg.prompts[i % len(cfg.prompts)], 10**6 + i, cfg.cap(i)) for i in range(cfg.warmup)]
+        # Warm-up wakes the server's code paths; a few tokens do it at any output cap.
+        warm = [_one(client, cfg, cfg.prompts[i % len(cfg.prompts)], 10**6 + i, min(cfg.cap(i), WARMUP_TOKENS))
+                for i in range(cfg.warmup)]
         for r in await asyncio.gather(*warm):
             if not r.ok:
                 raise RuntimeError(f"warm-up request failed: {r.error}")
