@@ -451,7 +451,9 @@ def _add_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_standard(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # it logs every backend request at INFO: one per token
     cfg = StandardConfig(small_url=args.small_url, large_url=args.large_url, small_tokenizer=args.small_tokenizer,
                          p=args.p, model_name=args.model_name, small_name=args.small_name,
                          large_name=args.large_name, api_key=args.api_key, startup_timeout=args.startup_timeout)
