@@ -50,9 +50,7 @@ def _alone_config(group: GroupConfig, name: str, folder: str, page_size: int | N
     executor a model alone waits the same step latencies as in the group)."""
     d = group.to_dict()
     d["models"] = [{**m, "page_size": page_size or m["page_size"]} for m in d["models"] if m["name"] == name]
-    d.update(algorithm="single", algorithm_params={}, name=name, launch={"policy": "eager"})
-    if "routers" in d:
-        d["routers"] = {}
+    d.update(algorithm="single", algorithm_params={}, name=name, launch={"policy": "eager"}, routers={})
     path = Path(folder) / f"{name}.yaml"
     path.write_text(yaml.safe_dump(d, sort_keys=False))
     return str(path)
