@@ -183,3 +183,15 @@ def test_algorithm_flag_takes_a_router_the_config_lists(tmp_path, pair_paths):
     cfg.write_text(cfg.read_text().replace("co_llm:", "magic:"))
     with pytest.raises(ValueError, match="unknown router kind"):
         cli.load_group(argparse.Namespace(config=str(cfg), algorithm=None, algorithm_param=[]))
+
+
+def test_engine_flags_with_a_group_config_are_refused(tmp_path, pair_paths, capsys):
+    """An engine flag would be ignored under --config (each model's engine comes from the YAML): it is
+    refused, naming the flag and the YAML field to set instead."""
+    cfg = tmp_path / "group.yaml"
+    cfg.write_text(f"models:\n  - {{name: small, path: {pair_paths['small']}}}\n")
+    assert cli.main(["generate", "--config", str(cfg), "--page-size", "4", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--page-size" in err and "page_size" in err and "models:" in err
+    assert cli.main(["serve", "--config", str(cfg), "--num-threads", "2"]) == 2
+    assert "`threads`" in capsys.readouterr().err

@@ -38,6 +38,24 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--random-seed", dest="seed", type=int, default=0)
+    for action in g._group_actions:
+        if action.dest not in ("model_path", "seed"):
+            _PER_MODEL_FLAGS[action.dest] = (action.option_strings[0], action.default)
+
+
+# Engine flags that configure one model: {dest: (flag, default)}. A group config sets them per model.
+_PER_MODEL_FLAGS: dict[str, tuple[str, object]] = {}
+
+
+_YAML_FIELD = {"disable_radix_cache": "enable_prefix_cache: false", "num_threads": "threads"}
+
+
+def _refuse_per_model_flags(args: argparse.Namespace) -> None:
+    """With --config the engine flags would be silently ignored: name the first one given."""
+    for dest, (flag, default) in _PER_MODEL_FLAGS.items():
+        if getattr(args, dest, default) != default:
+            raise ValueError(f"{flag} configures one model and has no effect with a group config ({args.config}): "
+                             f"set `{_YAML_FIELD.get(dest, dest)}` per model under `models:` in the YAML")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -111,6 +129,7 @@ def load_group(args: argparse.Namespace) -> object:
 
     from tokenrouter.group_config import ROUTER_ALGORITHMS, GroupConfig
 
+    _refuse_per_model_flags(args)
     with open(args.config) as f:
         raw = yaml.safe_load(f) or {}
     algo = raw.get("algorithm", "single")
