@@ -129,3 +129,7 @@ def test_bench_compare_on_the_latency_executor(tmp_path, pair_paths, capsys):
     # routed systems write the same number of tokens on each model.
     routed = [r["tokens_per_model"] for r in rows if r["label"] in ("tokenrouter", "standard", "step-sync")]
     assert routed[0] == routed[1] == routed[2] and routed[0]["large"] > 0
+    # Per-request records travel with the rows, so `bench plot` draws latency CDFs of a comparison.
+    assert all(len(r["requests"]) == 6 and all(x["e2e"] > 0 for x in r["requests"]) for r in rows)
+    assert cli.main(["bench", "plot", str(out), "--out-dir", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "latency_cdf.png").read_bytes()[:4] == b"\x89PNG"

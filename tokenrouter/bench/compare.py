@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,8 @@ def _http_run(url: str, model: str, prompts: list[str], caps: list[int], c: int,
               seed: int) -> dict[str, Any]:
     cfg = BenchConfig(base_url=url, model=model, prompts=prompts, max_tokens=max(caps), num_requests=n,
                       concurrency=c, warmup=min(2, n), seed=seed, output_lens=caps)
-    summary, _ = asyncio.run(run_bench(cfg, progress=False))
-    return summary
+    summary, results = asyncio.run(run_bench(cfg, progress=False))
+    return {**summary, "requests": [asdict(r) for r in results]}  # `bench plot` draws latency CDFs from these
 
 
 def _on_latency_executor(group: GroupConfig) -> bool:
@@ -84,7 +85,8 @@ def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, 
     return {"concurrency": c, "completed": len(ids), "failed": 0, "output_tokens": res.output_tokens,
             "duration_s": res.wall_seconds, "output_throughput": res.throughput,
             "per_user_tok_s": {"mean": sum(res.per_user) / len(res.per_user)},
-            "tokens_per_model": res.tokens_per_model}
+            "tokens_per_model": res.tokens_per_model,
+            "requests": [{"e2e": lat} for lat in res.latencies]}  # from its batch's start; no streaming, no TTFT
 
 
 def compare(config: str, systems: list[str], workload: str, scale: str, concurrencies: list[int], num_requests: int,
