@@ -3,38 +3,23 @@ eta (paper: 0.15) the large model writes that one position."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.deferral import DeferToLarge
-from tokenrouter.routing.routers import LoadedRouter, check_engine, load_router, router_meta
-
-if TYPE_CHECKING:
-    from tokenrouter.engine import Engine
+from tokenrouter.routing.deferral import HeadDeferral
 
 
-class CoLLM(DeferToLarge):
+class CoLLM(HeadDeferral):
     name = "co_llm"
 
     def __init__(self, models: list[str], router: str, eta: float | None = None) -> None:
-        super().__init__(models)
-        router_meta(router, "co_llm")
-        self.router_path = router
+        super().__init__(models, router)
         self.eta = float(eta) if eta is not None else 0.15
         if not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"co_llm: eta must be in [0, 1], got {eta}")
-        self.router: LoadedRouter | None = None
 
     def outputs(self, model: str) -> StepOutputSpec:
         return StepOutputSpec(hidden=model == self.small)
-
-    def bind(self, model: str, engine: Engine) -> None:
-        # Both models: the router was trained on this pair's hidden states and tokens.
-        check_engine(self.router_path, "co_llm", "small" if model == self.small else "large", engine)
-        if model == self.small:
-            self.router = load_router(self.router_path, "co_llm")
 
     @torch.inference_mode()
     def defer(self, step: StepOutput) -> torch.Tensor:

@@ -7,12 +7,16 @@ CITER, R2R, Co-LLM and the synthetic Bernoulli router differ only in `defer`.
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenrouter.model_runner import StepOutput
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+from tokenrouter.routing.routers import LoadedRouter, check_pair, engine_fingerprint, load_router, router_meta
+
+if TYPE_CHECKING:
+    from tokenrouter.engine import Engine
 
 
 class DeferToLarge(RoutingAlgorithm):
@@ -33,3 +37,21 @@ class DeferToLarge(RoutingAlgorithm):
             return []
         go = Route(self.large, keep=False)
         return [go if d else STAY for d in self.defer(step).tolist()]
+
+
+class HeadDeferral(DeferToLarge):
+    """Deferral decided by a trained router head: the folder of a router of kind `name` (CITER, R2R,
+    Co-LLM). The head runs on the small model's subserver; both models must be the ones it was trained
+    for, since it reads this pair's hidden states and tokens."""
+
+    def __init__(self, models: list[str], router: str) -> None:
+        super().__init__(models)
+        self.meta = router_meta(router, self.name)  # fails fast on a missing or wrong router folder
+        self.router_path = router
+        self.router: LoadedRouter | None = None
+
+    def bind(self, model: str, engine: Engine) -> None:
+        role = "small" if model == self.small else "large"
+        check_pair(self.meta, role, engine_fingerprint(engine), engine.cfg.model_path, self.router_path)
+        if model == self.small:
+            self.router = load_router(self.router_path, self.name)

@@ -9,23 +9,19 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.deferral import DeferToLarge
-from tokenrouter.routing.routers import LoadedRouter, check_engine, load_router, router_meta
+from tokenrouter.routing.deferral import HeadDeferral
 
 if TYPE_CHECKING:
     from tokenrouter.engine import Engine
 
 
-class R2R(DeferToLarge):
+class R2R(HeadDeferral):
     name = "r2r"
 
     def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
-        super().__init__(models)
-        meta = router_meta(router, "r2r")
-        self.router_path = router
-        self.top_k = int(meta["arch"]["top_k"])
-        self.threshold = float(threshold) if threshold is not None else float(meta["threshold"])
-        self.router: LoadedRouter | None = None
+        super().__init__(models, router)
+        self.top_k = int(self.meta["arch"]["top_k"])
+        self.threshold = float(threshold) if threshold is not None else float(self.meta["threshold"])
         self.embed: torch.Tensor | None = None
 
     def outputs(self, model: str) -> StepOutputSpec:
@@ -34,10 +30,8 @@ class R2R(DeferToLarge):
         return StepOutputSpec()
 
     def bind(self, model: str, engine: Engine) -> None:
-        # Both models: the router was trained on this pair's hidden states and tokens.
-        check_engine(self.router_path, "r2r", "small" if model == self.small else "large", engine)
+        super().bind(model, engine)
         if model == self.small:
-            self.router = load_router(self.router_path, "r2r")
             self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
 
     @torch.inference_mode()

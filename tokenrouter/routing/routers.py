@@ -155,11 +155,6 @@ def check_pair(meta: dict[str, Any], role: str, fingerprint: str, model: str | N
                      f"{was}, this group's {role} model is {now}; train one for this pair")
 
 
-def check_engine(folder: str | Path, kind: str, role: str, engine: Any) -> None:
-    """check_pair for the model an engine serves, in the role it has in the group."""
-    check_pair(router_meta(folder, kind), role, engine_fingerprint(engine), engine.cfg.model_path, folder)
-
-
 def router_meta(folder: str | Path, kind: str | None = None) -> dict[str, Any]:
     """A router folder's router.json, checked (cheap: the entry calls it to fail fast)."""
     folder = Path(folder)
