@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 
 RSS_BOUND = 0.10  # the issue's bound on each process's resident-memory growth after warm-up
@@ -104,29 +105,16 @@ class SoakReport:
 
 def _rss_mb(pid: int) -> float | None:
     try:
-        import psutil
-
         return psutil.Process(pid).memory_info().rss / 2**20
-    except ImportError:
-        pass
-    except Exception:  # noqa: BLE001 - the process is gone (psutil.NoSuchProcess and kin)
+    except psutil.Error:  # the process is gone
         return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
 
 
 def _unix_paths(pid: int) -> list[str]:
-    """Paths of the unix sockets a process has bound (its ZeroMQ ipc inbox); [] without psutil."""
+    """Paths of the unix sockets a process has bound (its ZeroMQ ipc inbox)."""
     try:
-        import psutil
-
         return [c.laddr for c in psutil.Process(pid).net_connections(kind="unix") if isinstance(c.laddr, str)]
-    except Exception:  # noqa: BLE001 - no psutil, or the process is gone
+    except psutil.Error:
         return []
 
 
