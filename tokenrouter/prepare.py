@@ -53,11 +53,15 @@ class PrepareSettings:
     def key(self) -> str:
         return settings_key({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
 
+    def label_tokens(self, kind: str) -> int:
+        """Corpus tokens labelled for router `kind`."""
+        return self.r2r_tokens if kind == "r2r" else self.router_tokens
+
     def router_key(self, kind: str) -> str:
         """Changes only with what that router's training reads: settings of other routers (or of the
         served algorithm) leave it cached."""
         return settings_key({"kind": kind, "student": self.student.key(), "large": SMOLLM2_NAME,
-                      "tokens": self.r2r_tokens if kind == "r2r" else self.router_tokens,
+                      "tokens": self.label_tokens(kind),
                       "seq_len": self.router_seq_len, "epochs": self.router_epochs,
                       "target": self.target_large_share,
                       **({"continuation": self.continuation, "rows": self.continuation_rows} if kind == "r2r" else {})})
@@ -178,7 +182,7 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
             shutil.rmtree(tmp, ignore_errors=True)
             train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
                          seq_len=s.router_seq_len,
-                         max_tokens=s.r2r_tokens if kind == "r2r" else s.router_tokens, epochs=s.router_epochs,
+                         max_tokens=s.label_tokens(kind), epochs=s.router_epochs,
                          continuation=s.continuation, continuation_batch_size=s.continuation_rows,
                          target_share=s.target_large_share, device="cpu",
                          progress=progress)
