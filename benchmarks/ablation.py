@@ -28,19 +28,19 @@ import time
 import torch
 
 from tokenrouter import SamplingParams
-from tokenrouter.baselines.step_sync import run_step_sync
+from tokenrouter.bench.baselines.step_sync import run_step_sync
 from tokenrouter.bench.offline import OfflineResult, run_closed_loop
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
-from tokenrouter.entry import Entry
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.latency_model import LatencyModelRunner, LatencyProfile
-from tokenrouter.messages import SetThresholds
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.latency_model import LatencyModelRunner, LatencyProfile
+from tokenrouter.engine.step_trace import ENV as TRACE_ENV
+from tokenrouter.engine.step_trace import read_trace, runtime_costs
+from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Runtime, best_thresholds, throughput_curve, zero_wait_bound
-from tokenrouter.random_model import build_random_model
 from tokenrouter.routing import make_algorithm
-from tokenrouter.step_trace import ENV as TRACE_ENV
-from tokenrouter.step_trace import read_trace, runtime_costs
+from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import SetThresholds
 
 
 def group(path: str, profile: dict, p: float, launch: dict, interference: float) -> GroupConfig:
@@ -73,7 +73,7 @@ def run_sync(path: str, profile: LatencyProfile, p: float, n: int, prompts, para
 
 def latencies(profile: LatencyProfile):
     """The profile's step latency of each model at one token per request (the planner adds the
-    catch-up tokens a hand-off brings, see tokenrouter.planner.runtime)."""
+    catch-up tokens a hand-off brings, see tokenrouter.planner.overheads)."""
     return (lambda b: profile.models["small"](b, b)), (lambda b: profile.models["large"](b, b))
 
 

@@ -49,7 +49,7 @@ def make_prompts(n: int, length: int, seed: int, low: int = 3, high: int = 259) 
 def model_folder(preset: str, seed: int, cache_dir: Path) -> Path:
     folder = cache_dir / f"llama-{preset}-seed{seed}"
     if not (folder / "model.safetensors").exists():
-        from tokenrouter.random_model import build_random_model
+        from tokenrouter.models.random_model import build_random_model
 
         tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=".build-"))
         build_random_model(tmp, arch="llama", preset=preset, seed=seed)

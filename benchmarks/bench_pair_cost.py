@@ -14,10 +14,10 @@ import statistics
 
 import torch
 
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
-from tokenrouter.prepare import prepare
-from tokenrouter.profiler import _decode_seconds
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.profiler import _decode_seconds
+from tokenrouter.training.prepare import prepare
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
-from tokenrouter.random_model import build_random_model
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.models.random_model import build_random_model
 from tokenrouter.routing.routers import CiterRouter, DeferralHead, R2RRouter
 from tokenrouter.sampling_params import SamplingParams
 

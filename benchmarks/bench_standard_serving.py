@@ -1,7 +1,7 @@
 """Standard serving vs tokenrouter (issue 8): the same two models and the same Bernoulli router,
 served (a) by our routed runtime and (b) the standard-serving way: each model in its own plain
 single-model server and an outside coordinator that asks for one token per request
-(`tokenrouter.baselines.standard`).
+(`tokenrouter.bench.baselines.standard`).
 
 Models: random-weight Llamas sharing the byte-level tokenizer (vocab 320): small = preset "small"
 (about 3M parameters), large = preset "30m" with vocab_size=320 (about 27M parameters). The small
@@ -31,13 +31,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tokenrouter.baselines.standard import ManagedProcess, StandardStack, free_port  # noqa: E402
+from tokenrouter.bench.baselines.standard import ManagedProcess, StandardStack, free_port  # noqa: E402
 
 KV_TOKENS = 32768
 
 
 def build_models(cache: Path) -> tuple[Path, Path]:
-    from tokenrouter.random_model import build_random_model
+    from tokenrouter.models.random_model import build_random_model
 
     small, large = cache / "llama-small-seed1", cache / "llama-30m-v320-seed2"
     if not (small / "model.safetensors").exists():

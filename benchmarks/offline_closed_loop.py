@@ -14,10 +14,10 @@ import torch
 
 from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.bench.workloads import build_prompts
-from tokenrouter.entry import Entry
-from tokenrouter.group_config import GroupConfig
+from tokenrouter.engine.tokenizer import load_tokenizer
+from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.tokenizer import load_tokenizer
 
 
 def main() -> int:

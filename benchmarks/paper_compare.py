@@ -25,7 +25,7 @@ import yaml
 
 from tokenrouter.bench.compare import SYSTEMS, compare
 from tokenrouter.bench.workloads import WORKLOADS
-from tokenrouter.default_model import cache_dir, ensure_smollm2
+from tokenrouter.training.default_model import cache_dir, ensure_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTEXT = 32768

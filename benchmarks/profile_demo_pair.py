@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from tokenrouter.prepare import prepare
+from tokenrouter.training.prepare import prepare
 
 BATCHES = ["1", "2", "4", "8", "16"]
 

@@ -15,9 +15,9 @@ import tempfile
 import torch
 
 from tokenrouter import SamplingParams
-from tokenrouter.latency_model import LatencyProfile
+from tokenrouter.engine.latency_model import LatencyProfile
+from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import best_thresholds
-from tokenrouter.random_model import build_random_model
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ablation import run_async, run_sync  # noqa: E402

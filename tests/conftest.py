@@ -17,7 +17,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from tokenrouter.random_model import build_random_model
+    from tokenrouter.models.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("models")
     return {
@@ -40,7 +40,7 @@ def hf_models(model_paths: dict[str, Path]) -> dict[str, torch.nn.Module]:
 @pytest.fixture(scope="session")
 def pair_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A small and a larger random model with the same tokenizer and vocabulary."""
-    from tokenrouter.random_model import build_random_model
+    from tokenrouter.models.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("pair")
     return {

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
-from tokenrouter.model_runner import StepOutputSpec
-from tokenrouter.req import Req
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_runner import StepOutputSpec
+from tokenrouter.engine.req import Req
 from tokenrouter.sampling_params import SamplingParams
 
 Logits = dict[str, list[tuple[int, torch.Tensor]]]  # rid -> [(position of the input row, logits)]

@@ -13,20 +13,20 @@ from typing import Any
 
 import zmq
 
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.messages import Abort, AddReq, Finished, Peer, Tokens, Topology, decode, encode
-from tokenrouter.req import Req
+from tokenrouter.engine.draws import uniform
+from tokenrouter.engine.req import Req
 from tokenrouter.routing.bernoulli import _STREAM
-from tokenrouter.routing.draws import uniform
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import Abort, AddReq, Finished, Peer, Tokens, Topology, decode, encode
+from tokenrouter.runtime.subserver import Subserver
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.subserver import Subserver
 
 PAGE = 4
 
 
 def build_pair(root: Path) -> dict[str, Path]:
     """A small and a larger random llama with the same byte-level tokenizer (vocab 320, context 512)."""
-    from tokenrouter.random_model import build_random_model
+    from tokenrouter.models.random_model import build_random_model
 
     return {
         "small": build_random_model(root / "small", "llama", "tiny", seed=1),

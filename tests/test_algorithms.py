@@ -12,10 +12,10 @@ from engine_utils import check_exact, prompts_of
 from safetensors.torch import load_file, save_file
 
 from tokenrouter import SamplingParams
-from tokenrouter.entry import SubserverDied
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.routing import make_algorithm
 from tokenrouter.routing.routers import CiterRouter, DeferralHead, R2RRouter, model_fingerprint, save_router
+from tokenrouter.runtime.entry import SubserverDied
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -204,7 +204,7 @@ def test_r_stitch_spans(peaky_pair):
 
 @pytest.fixture(scope="module")
 def trio(pair_paths, tmp_path_factory):
-    from tokenrouter.random_model import build_random_model
+    from tokenrouter.models.random_model import build_random_model
 
     root = tmp_path_factory.mktemp("trio")
     return {**pair_paths, "medium": build_random_model(root / "medium", "llama", "tiny", seed=13, hidden_size=96,

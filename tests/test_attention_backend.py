@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenrouter.attention.backend import make_backend
-from tokenrouter.attention.reference_backend import ReferenceAttentionBackend
-from tokenrouter.attention.torch_backend import TorchAttentionBackend
-from tokenrouter.forward_batch import ForwardBatch
-from tokenrouter.kv_pool import KVPool
+from tokenrouter.models.attention.reference_backend import ReferenceAttentionBackend
+from tokenrouter.models.attention.registry import make_backend
+from tokenrouter.models.attention.torch_backend import TorchAttentionBackend
+from tokenrouter.models.forward_batch import ForwardBatch
+from tokenrouter.models.kv_pool import KVPool
 
 TOL = 1e-5
 PAGE = 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenrouter import cli
-from tokenrouter.default_model import RANDOM_WEIGHTS_WARNING, SMOLLM2_NOTE, ensure_random_model
+from tokenrouter.training.default_model import RANDOM_WEIGHTS_WARNING, SMOLLM2_NOTE, ensure_random_model
 
 
 def test_generate_on_default_model(tmp_path, monkeypatch, capsys):
@@ -30,7 +30,7 @@ def test_default_model_is_deterministic(tmp_path, monkeypatch):
 
 
 def test_default_model_is_smollm2_when_installed(tmp_path, monkeypatch, capsys):
-    from tokenrouter.gguf_convert import smollm2_gguf_path
+    from tokenrouter.training.gguf_convert import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -98,7 +98,7 @@ def prepared_pair(folder, pair_paths, routers: dict, thresholds: dict, serve_off
 
     import yaml
 
-    from tokenrouter.prepare import group_dict
+    from tokenrouter.training.prepare import group_dict
 
     folder.mkdir(parents=True, exist_ok=True)
     group = group_dict(pair_paths["small"], pair_paths["large"], routers, thresholds, "r2r", serve_offset)
@@ -117,8 +117,8 @@ def test_algorithm_flag_takes_the_prepared_pairs_router(tmp_path, pair_paths, mo
 
     from routing_utils import untrained_routers
 
-    from tokenrouter.prepare import shifted
     from tokenrouter.routing import make_algorithm
+    from tokenrouter.training.prepare import shifted
 
     routers = untrained_routers(pair_paths, tmp_path / "routers")
     thresholds = {"citer": 0.3, "r2r": 0.6, "co_llm": 0.4}
@@ -145,7 +145,7 @@ def test_algorithm_flag_takes_the_prepared_pairs_router(tmp_path, pair_paths, mo
     assert group("r_stitch").algorithm_params == {}
 
     # The default-pair path of `serve` (no --config, no --model-path) goes through the same lookup.
-    monkeypatch.setattr("tokenrouter.default_model.default_pair_config", lambda: cfg)
+    monkeypatch.setattr("tokenrouter.training.prepare.default_pair_config", lambda: cfg)
     args = cli.build_parser().parse_args(["serve", "--algorithm", "citer"])
     g, name = cli.group_from_args(args)
     assert name == "default" and g.algorithm == "citer" and g.algorithm_params["router"] == str(routers["citer"])

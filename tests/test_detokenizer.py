@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tokenrouter.random_model import build_tokenizer
-from tokenrouter.tokenizer import IncrementalDetokenizer
+from tokenrouter.engine.tokenizer import IncrementalDetokenizer
+from tokenrouter.models.random_model import build_tokenizer
 
 
 def test_chunks_rebuild_the_text_without_broken_characters():

@@ -22,15 +22,15 @@ from engine_utils import add, make_engine, max_logit_diff, run_to_end  # noqa: E
 from safetensors.torch import load_file  # noqa: E402
 
 from tokenrouter import LLM, SamplingParams  # noqa: E402
-from tokenrouter.gguf_convert import (  # noqa: E402
+from tokenrouter.engine.model_loader import load_model  # noqa: E402
+from tokenrouter.models.config import ModelConfig  # noqa: E402
+from tokenrouter.training.gguf_convert import (  # noqa: E402
     SMOLLM2_PIP,
     GGUFConversionError,
     convert_gguf,
     smollm2_gguf_path,
     unpermute_rotary,
 )
-from tokenrouter.model_loader import load_model  # noqa: E402
-from tokenrouter.models.config import ModelConfig  # noqa: E402
 
 TOKENIZER_STRINGS = [
     "Hello, world!",
@@ -368,7 +368,7 @@ def test_unsupported_tensors_are_refused(tmp_path, extra, message):
 
 
 def test_command_line(tmp_path, capsys):
-    from tokenrouter.gguf_convert import main
+    from tokenrouter.training.gguf_convert import main
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     main([str(tmp_path / "tiny.gguf"), str(tmp_path / "hf"), "--dtype", "float16"])
@@ -386,7 +386,7 @@ def test_existing_folder_and_failed_writes(tmp_path, monkeypatch):
         convert_gguf(tmp_path / "tiny.gguf", out, progress=False)
 
     # A failure while writing leaves the old folder untouched and no temporary folder behind.
-    import tokenrouter.gguf_convert as gc
+    import tokenrouter.training.gguf_convert as gc
 
     def boom(*a, **k):
         raise OSError("disk full")

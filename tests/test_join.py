@@ -13,12 +13,12 @@ import yaml
 
 from tokenrouter import SamplingParams
 from tokenrouter.bench.server_process import ManagedProcess, alive, free_port
-from tokenrouter.entry import SubserverDied
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.launchers.join import JoinDesk
-from tokenrouter.messages import Join
-from tokenrouter.model_identity import ModelIdentity
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.entry import SubserverDied
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import Join
+from tokenrouter.runtime.model_identity import ModelIdentity
+from tokenrouter.runtime.remote.join_desk import JoinDesk
 
 SECRET = "correct horse battery staple"
 

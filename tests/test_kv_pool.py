@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tokenrouter.kv_pool import KVPool
+from tokenrouter.models.kv_pool import KVPool
 
 
 def make_pool(num_pages=8, page_size=4):

@@ -7,9 +7,9 @@ import threading
 import pytest
 
 from tokenrouter import SamplingParams
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.latency_model import InterferenceClock, LatencyProfile, StepLatency, create_flags
+from tokenrouter.engine.latency_model import InterferenceClock, LatencyProfile, StepLatency, create_flags
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.group_config import GroupConfig
 
 
 def test_step_latency_forms():
@@ -120,8 +120,8 @@ def test_closed_loop_steady_window_and_step_trace(model_paths, tmp_path, monkeyp
     """The closed loop's steady window lies inside the run, while every request slot is taken, and
     the traced steps carry each step's batch (the subservers inherit the trace variable)."""
     from tokenrouter.bench.offline import run_closed_loop
-    from tokenrouter.entry import Entry
-    from tokenrouter.step_trace import ENV, read_trace, runtime_costs
+    from tokenrouter.engine.step_trace import ENV, read_trace, runtime_costs
+    from tokenrouter.runtime.entry import Entry
 
     monkeypatch.setenv(ENV, str(tmp_path))
     entry = Entry(GroupConfig.from_dict(group(model_paths["llama"], p=0.2)))

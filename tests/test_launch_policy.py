@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
-from tokenrouter.group_config import GroupConfig, ModelSpec
-from tokenrouter.kv_pool import KVPool
-from tokenrouter.launch_policy import EagerLaunch, ThresholdLaunch, Thresholds, check_deadlock_free
-from tokenrouter.radix_cache import RadixCache
-from tokenrouter.req import Req, ReqStatus
+from tokenrouter.engine.launch_policy import EagerLaunch, ThresholdLaunch, Thresholds, check_deadlock_free
+from tokenrouter.engine.radix_cache import RadixCache
+from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.scheduler import Scheduler, SchedulerConfig
+from tokenrouter.models.kv_pool import KVPool
+from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.scheduler import Scheduler, SchedulerConfig
 
 
 def test_threshold_table_lookup():

@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.kv_pool import KVPool
-from tokenrouter.placement import CUDA_CONTEXT_BYTES, ModelNeeds, parameter_count, plan_placement, split_memory
+from tokenrouter.models.kv_pool import KVPool
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.placement import CUDA_CONTEXT_BYTES, ModelNeeds, parameter_count, plan_placement, split_memory
 
 GIB = 1 << 30
 
@@ -87,9 +87,9 @@ def test_plan_only_where_asked(pair_paths):
 
 
 def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
-    monkeypatch.setattr("tokenrouter.placement.device_memory", lambda d: GIB)  # not this machine's free memory
+    monkeypatch.setattr("tokenrouter.runtime.placement.device_memory", lambda d: GIB)  # not this machine's free memory
     g = group(pair_paths, {"cores": [0], "threads": 1}, {"cores": [0], "threads": 2}, memory_fraction=0.02)
-    with caplog.at_level(logging.INFO, logger="tokenrouter.entry"), RoutedLLM(g) as llm:
+    with caplog.at_level(logging.INFO, logger="tokenrouter.runtime.entry"), RoutedLLM(g) as llm:
         info = llm.entry.info
     # Each subserver process applied its own spec (issue 3 section 2): pinned to core 0, its torch threads.
     assert {n: (r.cpu_affinity, r.torch_threads) for n, r in info.items()} == {"small": ([0], 1), "large": ([0], 2)}

@@ -16,16 +16,23 @@ import pytest
 import torch
 from server_utils import ServerProcess
 
-from tokenrouter import champ
-from tokenrouter.evaluation.metrics import AnswerScore, Totals, common_prefix, final_answer, is_correct, nll_under
-from tokenrouter.evaluation.query_router import QueryRouter, route_top
-from tokenrouter.evaluation.run import EvalSettings, evaluate, table, threshold_grid, write
-from tokenrouter.group_config import GroupConfig
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.training import champ
+from tokenrouter.training.evaluation.metrics import (
+    AnswerScore,
+    Totals,
+    common_prefix,
+    final_answer,
+    is_correct,
+    nll_under,
+)
+from tokenrouter.training.evaluation.query_router import QueryRouter, route_top
+from tokenrouter.training.evaluation.run import EvalSettings, evaluate, table, threshold_grid, write
 from tokenrouter.training.student import StudentSettings, chat_texts, projected_embedding
 
 
 def _smollm2_or_skip() -> None:
-    from tokenrouter.gguf_convert import smollm2_gguf_path
+    from tokenrouter.training.gguf_convert import smollm2_gguf_path
 
     try:
         smollm2_gguf_path()
@@ -121,7 +128,7 @@ def test_threshold_grid_spreads_around_the_calibrated_value():
 @pytest.fixture(scope="module")
 def quick_pair(tmp_path_factory):
     _smollm2_or_skip()
-    from tokenrouter import default_model, prepare
+    from tokenrouter.training import default_model, prepare
 
     cache = tmp_path_factory.mktemp("cache")
     mp = pytest.MonkeyPatch()
@@ -135,7 +142,7 @@ def quick_pair(tmp_path_factory):
 
 
 def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
-    from tokenrouter import prepare
+    from tokenrouter.training import prepare
 
     cache, pair = quick_pair
     monkeypatch.setenv("TOKENROUTER_CACHE", str(cache))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from tokenrouter import cli
-from tokenrouter.latency_model import LatencyProfile
+from tokenrouter.engine.latency_model import LatencyProfile
 
 
 def test_profile_writes_and_merges(tmp_path, pair_paths, capsys):

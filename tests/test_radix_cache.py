@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from tokenrouter.kv_pool import KVPool
-from tokenrouter.radix_cache import RadixCache, TreeNode
+from tokenrouter.engine.radix_cache import RadixCache, TreeNode
+from tokenrouter.models.kv_pool import KVPool
 
 
 def make(num_pages=32, page_size=4, enabled=True):

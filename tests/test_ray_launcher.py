@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from tokenrouter import SamplingParams
-from tokenrouter.group_config import GroupConfig, ModelSpec
-from tokenrouter.launchers.ray_actor import connect, resources
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+from tokenrouter.runtime.remote.ray_actor import connect, resources
 
 SECRET = "correct horse battery staple"
 

@@ -11,8 +11,8 @@ import pytest
 from engine_utils import prompts_of
 from routing_utils import build_pair, find_seed, group_dict
 
-from tokenrouter.entry import SubserverDied
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.entry import SubserverDied
 from tokenrouter.sampling_params import SamplingParams
 
 P = 0.3

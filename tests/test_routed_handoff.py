@@ -14,9 +14,9 @@ import torch
 from engine_utils import prompts_of
 from routing_utils import PAGE, Rig, build_pair, find_seed, handoff_draws, peer_msgs
 
-from tokenrouter.messages import FirstVisit, Peer, Tokens
-from tokenrouter.req import ReqStatus
+from tokenrouter.engine.req import ReqStatus
 from tokenrouter.routing import PeerReq
+from tokenrouter.runtime.messages import FirstVisit, Peer, Tokens
 from tokenrouter.sampling_params import SamplingParams
 
 

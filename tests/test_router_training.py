@@ -288,8 +288,8 @@ def test_cli_standalone(pair_paths, tmp_path, capsys):
 
 def test_fingerprints_do_not_depend_on_the_serving_dtype(pair_paths, tmp_path):
     """A router trained once serves with the pair loaded in float32 or bfloat16."""
-    from tokenrouter.config import EngineConfig
-    from tokenrouter.engine import Engine
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.engine.engine import Engine
     from tokenrouter.routing.routers import engine_fingerprint
 
     out = train_router("citer", pair_paths["small"], pair_paths["large"], corpus_texts(20), tmp_path / "bf",

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tokenrouter.sampler import Sampler, SamplingBatch
+from tokenrouter.engine.sampler import Sampler, SamplingBatch
 from tokenrouter.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

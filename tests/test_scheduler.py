@@ -7,12 +7,12 @@ import zlib
 import pytest
 import torch
 
-from tokenrouter.kv_pool import KVPool
-from tokenrouter.launch_policy import EagerLaunch, LaunchPolicy
-from tokenrouter.radix_cache import RadixCache
-from tokenrouter.req import Req, ReqStatus
+from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy
+from tokenrouter.engine.radix_cache import RadixCache
+from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tokenrouter.models.kv_pool import KVPool
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
 
 def make_sched(num_pages=64, page_size=4, max_running=8, chunk=64, cache=True, launch=None):

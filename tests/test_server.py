@@ -119,8 +119,8 @@ def test_completion_logprobs(client):
 def test_chat_without_a_template_uses_chatml(tmp_path, pair_paths):
     import shutil
 
+    from tokenrouter.engine.tokenizer import load_tokenizer
     from tokenrouter.server.app import chat_prompt
-    from tokenrouter.tokenizer import load_tokenizer
 
     folder = tmp_path / "notemplate"
     shutil.copytree(pair_paths["small"], folder)

@@ -1,4 +1,4 @@
-"""The standard-serving baseline (tokenrouter.baselines.standard): two plain single-model servers and
+"""The standard-serving baseline (tokenrouter.bench.baselines.standard): two plain single-model servers and
 an outside coordinator that asks for one token per request. With the same seed it must write exactly
 the tokens, and give each position to exactly the model, that the routed runtime does."""
 
@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tokenrouter.baselines.standard import StandardStack
+from tokenrouter.bench.baselines.standard import StandardStack
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.sampling_params import SamplingParams
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_utils import prompts_of
 
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
-from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.sampling_params import SamplingParams
 
 FIELDS = ("hidden", "logits", "top_logits", "entropy")

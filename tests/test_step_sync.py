@@ -5,9 +5,9 @@ from __future__ import annotations
 from engine_utils import prompts_of
 
 from tokenrouter import SamplingParams
-from tokenrouter.baselines.step_sync import run_step_sync
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
+from tokenrouter.bench.baselines.step_sync import run_step_sync
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.routing import make_algorithm
 

@@ -1,4 +1,4 @@
-"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter.step_trace)."""
+"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter.engine.step_trace)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenrouter.step_trace import ENV, Step, StepTraceWriter, read_trace, runtime_costs
+from tokenrouter.engine.step_trace import ENV, Step, StepTraceWriter, read_trace, runtime_costs
 
 
 def test_trace_writer_and_reader(tmp_path, monkeypatch):

@@ -16,13 +16,13 @@ import pytest
 import torch
 from engine_utils import Logits, add, check_exact, make_engine, max_logit_diff, prompts_of, run_to_end
 
-from tokenrouter.config import EngineConfig
-from tokenrouter.distributed.group import TPGroup
-from tokenrouter.engine import Engine
-from tokenrouter.model_loader import _iter_safetensors, load_model
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_loader import _iter_safetensors, load_model
+from tokenrouter.engine.req import Req
 from tokenrouter.models import build_model
 from tokenrouter.models.config import ModelConfig
-from tokenrouter.req import Req
+from tokenrouter.models.tp_group import TPGroup
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.sampling_params import SamplingParams
 
@@ -210,7 +210,7 @@ def test_routed_pair_with_the_large_model_at_tp2_is_token_exact(pair_paths, hf_p
 
 
 def test_routed_bad_tp_size_fails_clearly(pair_paths):
-    from tokenrouter.entry import SubserverDied
+    from tokenrouter.runtime.entry import SubserverDied
 
     group = {"models": [{"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 256,
                          "page_size": 4, "tp_size": 3}]}

@@ -8,10 +8,10 @@ import pytest
 import zmq
 
 from tokenrouter import SamplingParams
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.messages import Shutdown, encode
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.transport_security import _OnlyOurClients, keys_from_secret, secure_client
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import Shutdown, encode
+from tokenrouter.runtime.transport_security import _OnlyOurClients, keys_from_secret, secure_client
 
 SECRET = "correct horse battery staple"
 

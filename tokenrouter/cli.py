@@ -70,7 +70,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenrouter import LLM, SamplingParams
-    from tokenrouter.default_model import default_model
+    from tokenrouter.training.default_model import default_model
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed_per_request, stop=args.stop or [],
@@ -127,7 +127,7 @@ def load_group(args: argparse.Namespace) -> object:
     with the router's calibrated threshold."""
     import yaml
 
-    from tokenrouter.group_config import ROUTER_ALGORITHMS, GroupConfig
+    from tokenrouter.runtime.group_config import ROUTER_ALGORITHMS, GroupConfig
 
     _refuse_per_model_flags(args)
     with open(args.config) as f:
@@ -159,8 +159,8 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
     import json
     from pathlib import Path
 
-    from tokenrouter.prepare import THRESHOLD_PARAM, served_algorithm
     from tokenrouter.routing.routers import router_meta
+    from tokenrouter.training.prepare import THRESHOLD_PARAM, served_algorithm
 
     prepared = Path(config).resolve().parent / "prepared.json"
     if prepared.is_file():
@@ -185,8 +185,9 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
 
 def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
-    from tokenrouter.default_model import default_model, default_pair_config
-    from tokenrouter.group_config import GroupConfig, ModelSpec
+    from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+    from tokenrouter.training.default_model import default_model
+    from tokenrouter.training.prepare import default_pair_config
 
     if args.config is None and args.model_path is None:
         pair = default_pair_config()
@@ -222,7 +223,7 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
-    from tokenrouter.server.launch import serve
+    from tokenrouter.server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group, name = group_from_args(args)
@@ -237,8 +238,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from tokenrouter.latency_model import LatencyProfile
-    from tokenrouter.profiler import measure
+    from tokenrouter.engine.latency_model import LatencyProfile
+    from tokenrouter.engine.profiler import measure
 
     lat = measure(args.model_path, tuple(args.batch_sizes), context=args.context, steps=args.steps,
                   device=args.device, num_threads=args.num_threads, kv_cache_tokens=args.kv_cache_tokens,
@@ -300,17 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     pf.set_defaults(func=cmd_profile)
 
     from tokenrouter.bench.cli import add_bench_parser
-    from tokenrouter.evaluation.cli import add_prepare_parsers
-    from tokenrouter.joiner import add_subserver_parser
     from tokenrouter.planner.cli import add_plan_parser
+    from tokenrouter.runtime.remote.joiner import add_subserver_parser
     from tokenrouter.training.cli import add_train_router_parser
+    from tokenrouter.training.evaluation.cli import add_prepare_parsers
 
     add_plan_parser(sub)
     add_bench_parser(sub)
     add_train_router_parser(sub)
     add_prepare_parsers(sub)
     add_subserver_parser(sub)
-    from tokenrouter.baselines.standard import add_standard_parser
+    from tokenrouter.bench.baselines.standard import add_standard_parser
 
     bl = sub.add_parser("baseline", help="baseline systems to compare against (standard serving)")
     add_standard_parser(bl.add_subparsers(dest="baseline_command", required=True))

@@ -9,11 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenrouter.config import EngineConfig
-from tokenrouter.engine import Engine
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.prompts import PromptType, prepare_requests
+from tokenrouter.engine.req import Req
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenrouter.prompts import PromptType, prepare_requests
-from tokenrouter.req import Req
 from tokenrouter.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if model is None:
-            from tokenrouter.default_model import ensure_default_model
+            from tokenrouter.training.default_model import ensure_default_model
 
             model = str(ensure_default_model())
         fields = {f.name for f in dataclasses.fields(EngineConfig)}

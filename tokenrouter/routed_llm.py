@@ -10,11 +10,11 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenrouter.entry import Entry, EntryReq
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.messages import Stats
+from tokenrouter.engine.prompts import PromptType, prepare_requests
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tokenrouter.prompts import PromptType, prepare_requests
+from tokenrouter.runtime.entry import Entry, EntryReq
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import Stats
 from tokenrouter.sampling_params import SamplingParams
 
 

@@ -44,7 +44,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
 def cmd_bench(args: argparse.Namespace) -> int:
     tok = None
     if args.tokenizer:
-        from tokenrouter.tokenizer import load_tokenizer
+        from tokenrouter.engine.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.tokenizer)
     prompts, cap = build_prompts(args.workload, args.scale, args.num_requests, args.seed, tok)

@@ -29,7 +29,7 @@ import yaml
 from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
 from tokenrouter.bench.server_process import ServerProcess
 from tokenrouter.bench.workloads import WORKLOADS, build_prompts, output_lengths
-from tokenrouter.group_config import GroupConfig
+from tokenrouter.runtime.group_config import GroupConfig
 
 SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync")
 
@@ -58,9 +58,9 @@ def _alone_config(group: GroupConfig, name: str, folder: str, page_size: int | N
 
 
 def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, seed: int) -> dict[str, Any]:
-    from tokenrouter.baselines.step_sync import run_step_sync
-    from tokenrouter.engine import Engine
-    from tokenrouter.latency_model import LatencyModelRunner
+    from tokenrouter.bench.baselines.step_sync import run_step_sync
+    from tokenrouter.engine.engine import Engine
+    from tokenrouter.engine.latency_model import LatencyModelRunner
     from tokenrouter.routing import make_algorithm
     from tokenrouter.routing.deferral import DeferToLarge
     from tokenrouter.sampling_params import SamplingParams
@@ -131,7 +131,7 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
 
 def _standard(group: GroupConfig, rows: list[dict[str, Any]], tmp: str, prompts: list[str], caps: list[int],
               concurrencies: list[int], num_requests: int, seed: int) -> list[dict[str, Any]]:
-    from tokenrouter.baselines.standard import StandardStack
+    from tokenrouter.bench.baselines.standard import StandardStack
 
     small, large = group.models
     # Page size 1: a one-token request then recomputes nothing its prefix cache holds (see standard.py).

@@ -7,7 +7,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from tokenrouter.entry import Entry, EntryReq
+from tokenrouter.runtime.entry import Entry, EntryReq
 from tokenrouter.sampling_params import SamplingParams
 
 

@@ -337,7 +337,7 @@ def write_configs(folder: str | Path, small: str | Path, large: str | Path, rout
 def build_random_pair(folder: str | Path) -> dict[str, Path]:
     """The tests' tiny random-weight pair (a 2-layer 64-wide Llama and a 3-layer 128-wide one, one
     byte-level vocabulary) in folder/small and folder/large, and the two soak configs beside them."""
-    from tokenrouter.random_model import build_random_model
+    from tokenrouter.models.random_model import build_random_model
 
     folder = Path(folder).resolve()
     small = build_random_model(folder / "small", "llama", "tiny", seed=11)
@@ -366,8 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         ap.error("give --config (or --build-random-pair DIR to make one)")
     from tokenrouter.bench.server_process import ServerProcess
-    from tokenrouter.group_config import GroupConfig
     from tokenrouter.models.config import ModelConfig
+    from tokenrouter.runtime.group_config import GroupConfig
 
     group = GroupConfig.from_yaml(args.config)
     vocab = min(ModelConfig.from_folder(m.path).vocab_size for m in group.models)

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from tokenrouter import champ
+from tokenrouter.training import champ
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from tokenrouter.distributed.group import TPGroup
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.models.llama import LlamaForCausalLM
 from tokenrouter.models.qwen3 import Qwen3ForCausalLM
+from tokenrouter.models.tp_group import TPGroup
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrouter.distributed.group import TPGroup
-from tokenrouter.distributed.layers import ColumnParallelLinear, RowParallelLinear
+from tokenrouter.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from tokenrouter.models.tp_group import TPGroup
 
 
 class RMSNorm(nn.Module):

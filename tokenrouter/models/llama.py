@@ -6,7 +6,7 @@ the Hugging Face checkpoints so weights load by name; q/k/v and gate/up are fuse
 Tensor parallelism (a `TPGroup` of size > 1): rank r holds num_heads / tp query heads and
 num_kv_heads / tp KV heads (fused per shard as [q_r; k_r; v_r]), intermediate / tp MLP columns, and a
 vocabulary slice of the embedding and LM head; o_proj and down_proj all-reduce their partial sums
-(see tokenrouter/distributed/layers.py). `checkpoint_slice` tells the loader which part of each
+(see tokenrouter/models/parallel_layers.py). `checkpoint_slice` tells the loader which part of each
 checkpoint tensor a rank reads. With the default group of size 1 nothing is split or communicated.
 """
 
@@ -17,18 +17,18 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenrouter.attention.backend import AttentionBackend
-from tokenrouter.distributed.group import TPGroup, check_tp_divisible
-from tokenrouter.distributed.layers import (
+from tokenrouter.models.attention.backend import AttentionBackend
+from tokenrouter.models.config import ModelConfig, ModelLoadError
+from tokenrouter.models.forward_batch import ForwardBatch
+from tokenrouter.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tokenrouter.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
     parallel_logits,
 )
-from tokenrouter.forward_batch import ForwardBatch
-from tokenrouter.models.config import ModelConfig, ModelLoadError
-from tokenrouter.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tokenrouter.models.tp_group import TPGroup, check_tp_divisible
 
 
 class Attention(nn.Module):

@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-from tokenrouter.distributed.group import TPGroup
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.models.llama import LlamaForCausalLM
+from tokenrouter.models.tp_group import TPGroup
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -18,7 +18,7 @@ from tokenrouter.planner.chain import (
     zero_wait_bound,
 )
 from tokenrouter.planner.latency import Constant, LatencyModel, Linear, Table, as_latency, parse_latency
-from tokenrouter.planner.runtime import Runtime
+from tokenrouter.planner.overheads import Runtime
 
 __all__ = [
     "best_thresholds", "throughput", "throughput_curve", "solve", "plan", "zero_wait_bound", "full_chain",

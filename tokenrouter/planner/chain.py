@@ -85,7 +85,7 @@ What the chain does not cover
   the runtime S is mid-step and they wait for its next one (about half an S step on separate
   devices, a whole one co-located), and it has no hand-off latency or runtime overhead. Measured
   on the latency-model executor this put its predictions 12-31 % high. `throughput_curve`, `plan`
-  and `best_thresholds` with a `runtime` (tokenrouter.planner.runtime) use the continuous-time
+  and `best_thresholds` with a `runtime` (tokenrouter.planner.overheads) use the continuous-time
   chain of tokenrouter.planner.continuous instead, which models all of that.
 """
 
@@ -98,12 +98,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-import scipy.sparse.linalg as spla
-from scipy.sparse.csgraph import breadth_first_order
 from scipy.stats import binom
 
+from tokenrouter.planner.continuous import continuous_curve
 from tokenrouter.planner.latency import LatencyLike, LatencyModel, as_latency
-from tokenrouter.planner.runtime import Runtime
+from tokenrouter.planner.markov import binom_table, check_params, stationary_distribution
+from tokenrouter.planner.overheads import Runtime
 
 __all__ = [
     "Solution", "PlanRow", "FullChain", "solve", "throughput", "throughput_curve", "best_thresholds",
@@ -112,87 +112,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------------
-# stationary distribution
-
-
-def stationary_distribution(P, start: int = 0) -> np.ndarray:
-    """Stationary distribution of a row-stochastic matrix (dense array or scipy.sparse), restricted
-    to the states reachable from `start` (the others get 0). Solves (P^T - I) pi = 0 with one
-    equation replaced by sum(pi) = 1; falls back to power iteration if that system is singular."""
-    n = P.shape[0]
-    sparse = sp.issparse(P)
-    Ps = sp.csr_matrix(P) if sparse else None
-    if sparse:
-        reach = np.sort(breadth_first_order(Ps, start, directed=True, return_predecessors=False))
-    else:
-        reach = np.sort(breadth_first_order(sp.csr_matrix((np.asarray(P) > 0).astype(float)), start, directed=True,
-                                            return_predecessors=False))
-    k = len(reach)
-    pi = np.zeros(n)
-    if k == 1:
-        pi[reach] = 1.0
-        return pi
-    if sparse:
-        Q = Ps[reach][:, reach]
-        A = (Q.T - sp.identity(k, format="csr")).tolil()
-        A[k - 1, :] = np.ones(k)
-        rhs = np.zeros(k)
-        rhs[-1] = 1.0
-        with np.errstate(all="ignore"):
-            x = spla.spsolve(A.tocsc(), rhs)
-        ok = np.all(np.isfinite(x))
-    else:
-        Q = np.asarray(P)[np.ix_(reach, reach)]
-        A = Q.T - np.eye(k)
-        A[-1, :] = 1.0
-        rhs = np.zeros(k)
-        rhs[-1] = 1.0
-        try:
-            x = np.linalg.solve(A, rhs)
-            ok = np.all(np.isfinite(x))
-        except np.linalg.LinAlgError:
-            ok = False
-    if ok:
-        resid = np.abs(Q.T @ x - x).max()
-        ok = resid < 1e-8 and x.min() > -1e-8
-    if not ok:  # several closed classes reachable, or numerical trouble: power iteration (Cesaro mean)
-        x = _power_iteration(Q if not sparse else Q.tocsr(), k, start_local=int(np.searchsorted(reach, start)))
-    x = np.clip(x, 0.0, None)
-    pi[reach] = x / x.sum()
-    return pi
-
-
-def _power_iteration(Q, k: int, start_local: int, tol: float = 1e-13, max_iter: int = 200000) -> np.ndarray:
-    v = np.zeros(k)
-    v[start_local] = 1.0
-    acc = np.zeros(k)
-    QT = Q.T
-    for _ in range(max_iter):
-        nv = QT @ v
-        acc += nv
-        if np.abs(nv - v).sum() < tol:
-            return nv
-        v = nv
-    return acc / max_iter
-
-
-# ---------------------------------------------------------------------------------------------------
 # the embedded chain (fast path)
-
-
-def _binom_table(n: int, p: float) -> np.ndarray:
-    """T[m, a] = P(Binomial(m, p) = a) for 0 <= a <= m <= n (0 above the diagonal)."""
-    m = np.arange(n + 1)[:, None]
-    a = np.arange(n + 1)[None, :]
-    with np.errstate(all="ignore"):
-        t = binom.pmf(a, m, p)
-    t = np.where(a <= m, np.nan_to_num(t), 0.0)
-    if p == 0.0:
-        t = np.zeros((n + 1, n + 1))
-        t[:, 0] = 1.0
-    elif p == 1.0:
-        t = np.eye(n + 1)
-    return t
 
 
 def _kernel(m_max: int, table: np.ndarray) -> np.ndarray:
@@ -205,17 +125,6 @@ def _kernel(m_max: int, table: np.ndarray) -> np.ndarray:
     K = np.zeros((size, size))
     K[valid] = table[(m_max - q + 0 * j)[valid], a[valid]]
     return K
-
-
-def _check(n: int, p: float, alpha: float, q_l: float) -> None:
-    if not (isinstance(n, (int, np.integer)) and n >= 1):
-        raise ValueError(f"concurrency N must be an integer >= 1, got {n!r}")
-    if not 0.0 <= p <= 1.0:
-        raise ValueError(f"p must be in [0, 1], got {p}")
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    if not 0.0 <= q_l < 1.0:
-        raise ValueError(f"q_L must be in [0, 1), got {q_l}")
 
 
 @dataclass
@@ -247,7 +156,7 @@ class _Embedded:
 
 def _build_embedded(n: int, p: float, lat_s: LatencyModel, lat_l: LatencyModel, alpha: float,
                     q_l: float) -> _Embedded:
-    table = _binom_table(n, p)
+    table = binom_table(n, p)
     xs = np.arange(n + 1)
     idle_P = np.zeros((n + 1, n + 1))
     for x in range(n + 1):
@@ -337,7 +246,7 @@ def _solve_from(emb: _Embedded, B: int) -> Solution:
 def solve(n: int, b: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
           q_l: float = 0.0) -> Solution:
     """Solve the chain for N = n requests and launch threshold B = b."""
-    _check(n, p, alpha, q_l)
+    check_params(n, p, alpha, q_l)
     return _solve_from(_build_embedded(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, q_l), int(b))
 
 
@@ -355,7 +264,7 @@ def throughput_curve(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, a
     runtime sees (catch-up tokens and per-step overheads added, hand-off latency); without one, this
     module's step-aligned chain (DESIGN.md section 4 as written).
     """
-    _check(n, p, alpha, q_l)
+    check_params(n, p, alpha, q_l)
     if runtime is not None:
         return np.array([s.throughput for s in _runtime_solutions(n, p, lat_s, lat_l, alpha, q_l, runtime)])
     emb = _build_embedded(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, q_l)
@@ -366,8 +275,6 @@ def _runtime_solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike,
                        runtime: Runtime) -> list:
     # imported here: the continuous chain is built from this module's pieces (binomial tables, the
     # stationary solve), so this module cannot import it at load time
-    from tokenrouter.planner.continuous import continuous_curve
-
     if q_l > 0:
         raise ValueError("the continuous-time chain covers one-token visits to L only (q_L = 0); "
                          "plan spans without a runtime, or with the simulator")
@@ -457,7 +364,7 @@ def plan(n_values: Sequence[int], p: float, lat_s: LatencyLike, lat_l: LatencyLi
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
     rows = []
     for n in n_values:
-        _check(n, p, alpha, q_l)
+        check_params(n, p, alpha, q_l)
         t0 = time.perf_counter()
         if runtime is not None:
             sols = _runtime_solutions(n, p, lat_s, lat_l, alpha, q_l, runtime)
@@ -503,7 +410,7 @@ def full_chain(n: int, B: int, p: float, r, alpha: float = 0.0, *, q_l: float = 
     callable b -> int), S stepping during L's flight on (1 - alpha) r(b) of its r(b) units (at elapsed
     unit t iff floor((t + 1)(1 - alpha)) > floor(t (1 - alpha))). Equal to the embedded chain when
     every (1 - alpha) r(b) is an integer."""
-    _check(n, p, alpha, q_l)
+    check_params(n, p, alpha, q_l)
     if not 1 <= B <= n:
         raise ValueError(f"threshold B must be in 1..N={n}, got {B}")
     r_of = (lambda b: r) if not callable(r) else r
@@ -526,7 +433,7 @@ def full_chain(n: int, B: int, p: float, r, alpha: float = 0.0, *, q_l: float = 
                 states.append((q, b, c))
     states_a = np.array(states, dtype=np.int64)
     k = len(states)
-    table = _binom_table(n, p)
+    table = binom_table(n, p)
     span = {b: (binom.pmf(np.arange(b + 1), b, q_l) if q_l > 0 else np.eye(1, b + 1)[0]) for b in range(1, n + 1)}
     rows, cols, vals = [], [], []
     reward = np.zeros(k)

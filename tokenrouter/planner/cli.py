@@ -13,7 +13,7 @@ import time
 
 from tokenrouter.planner.chain import full_chain, gaps_to_p, plan
 from tokenrouter.planner.latency import Constant, parse_latency
-from tokenrouter.planner.runtime import Runtime
+from tokenrouter.planner.overheads import Runtime
 
 __all__ = ["add_plan_parser", "add_plan_args", "cmd_plan", "main", "parse_n", "placement"]
 

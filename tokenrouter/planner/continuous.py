@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.sparse as sp
 
-from tokenrouter.planner.chain import _binom_table, _check, stationary_distribution
 from tokenrouter.planner.latency import LatencyLike, LatencyModel, as_latency
+from tokenrouter.planner.markov import binom_table, check_params, stationary_distribution
 
 __all__ = ["ContinuousSolution", "continuous_curve", "solve_continuous", "DEFAULT_GRID"]
 
@@ -84,7 +84,7 @@ class _Model:
     def __init__(self, n: int, p: float, lat_s: LatencyModel, lat_l: LatencyModel, alpha: float, handoff: float,
                  grid: int) -> None:
         self.n, self.p, self.grid, self.handoff = n, p, grid, handoff
-        self.table = _binom_table(n, p)
+        self.table = binom_table(n, p)
         self.ts = np.array([lat_s(max(m, 1)) for m in range(n + 1)])
         self.ts[0] = 0.0  # no S step in progress: nothing to wait for
         self.tl = np.array([0.0] + [lat_l(b) for b in range(1, n + 1)])
@@ -246,7 +246,7 @@ class _Model:
 
 def _model(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, handoff: float,
            grid: int) -> _Model:
-    _check(n, p, alpha, 0.0)
+    check_params(n, p, alpha, 0.0)
     if not (isinstance(grid, (int, np.integer)) and grid >= 1):
         raise ValueError(f"phase grid must be an integer >= 1, got {grid!r}")
     if handoff < 0:

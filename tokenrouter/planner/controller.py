@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenrouter.planner.chain import best_thresholds
-from tokenrouter.planner.runtime import Runtime
+from tokenrouter.planner.overheads import Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from tokenrouter.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.req import Req
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.engine.req import Req
 from tokenrouter.routing.peer_req import PeerReq
 
 if TYPE_CHECKING:
-    from tokenrouter.engine import Engine
+    from tokenrouter.engine.engine import Engine
 
 
 class Route(NamedTuple):

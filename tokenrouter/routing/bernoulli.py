@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from tokenrouter.model_runner import StepOutput
+from tokenrouter.engine.draws import uniform
+from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.routing.deferral import DeferToLarge
-from tokenrouter.routing.draws import uniform
 
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import HeadDeferral
 
 

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenrouter.model_runner import StepOutput
+from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
 from tokenrouter.routing.routers import LoadedRouter, check_pair, engine_fingerprint, load_router, router_meta
 
 if TYPE_CHECKING:
-    from tokenrouter.engine import Engine
+    from tokenrouter.engine.engine import Engine
 
 
 class DeferToLarge(RoutingAlgorithm):

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from tokenrouter.model_runner import StepOutput
+from tokenrouter.engine.draws import uniform
+from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
-from tokenrouter.routing.draws import uniform
 
 _STREAM = 0xE45E_3B1E
 PAPER_WEIGHTS = (0.5, 0.3, 0.2)

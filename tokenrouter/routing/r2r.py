@@ -8,11 +8,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import HeadDeferral
 
 if TYPE_CHECKING:
-    from tokenrouter.engine import Engine
+    from tokenrouter.engine.engine import Engine
 
 
 class R2R(HeadDeferral):

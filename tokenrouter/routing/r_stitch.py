@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tokenrouter.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
 
 if TYPE_CHECKING:
-    from tokenrouter.engine import Engine
+    from tokenrouter.engine.engine import Engine
 
 
 class RStitch(RoutingAlgorithm):

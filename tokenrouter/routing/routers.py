@@ -174,7 +174,7 @@ def engine_fingerprint(engine: Any) -> str:
     the embedding is read from the checkpoint for this and not kept (a large model's would be big)."""
     config = json.loads((Path(engine.cfg.model_path) / "config.json").read_text())
     if getattr(engine, "tp", None) is not None and getattr(engine, "_full_embedding", None) is None:
-        from tokenrouter.model_loader import load_tensor
+        from tokenrouter.engine.model_loader import load_tensor
 
         return model_fingerprint(config, load_tensor(engine.cfg.model_path, "model.embed_tokens.weight"))
     return model_fingerprint(config, engine.embedding_weight())

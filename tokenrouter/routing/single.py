@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenrouter.model_runner import StepOutput
+from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
 
 

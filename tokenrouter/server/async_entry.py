@@ -17,11 +17,11 @@ from typing import Any
 
 import zmq
 
-from tokenrouter.entry import Entry, EntryEvent, EntryReq, SubserverDied
-from tokenrouter.group_config import GroupConfig
-from tokenrouter.messages import Stats, Wake, encode
+from tokenrouter.runtime.entry import Entry, EntryEvent, EntryReq, SubserverDied
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import Stats, Wake, encode
+from tokenrouter.runtime.transport_security import secure_client
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.transport_security import secure_client
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,367 @@
+"""The single-model engine: requests in, schedule -> forward -> commit, finished requests out."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.latency_model import LatencyModelRunner
+from tokenrouter.engine.model_loader import load_model
+from tokenrouter.engine.model_runner import ModelRunner, StepOutput, StepOutputSpec
+from tokenrouter.engine.radix_cache import RadixCache
+from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
+from tokenrouter.models.attention.registry import make_backend
+from tokenrouter.models.config import ModelConfig
+from tokenrouter.models.kv_pool import KVPool, available_memory_bytes
+from tokenrouter.models.tp_group import check_tp_divisible
+from tokenrouter.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _on_every_rank(tp: TensorParallel | None, stage: str, make: Callable[[], T]) -> T:
+    """Run rank 0's part of a start-up stage. With workers, every rank reports on the stage and a
+    failure anywhere stops them all (TensorParallel.sync raises); alone, an error propagates as is."""
+    if tp is None:
+        return make()
+    try:
+        result = make()
+    except Exception as e:
+        tp.sync(stage, e)
+        raise
+    tp.sync(stage)
+    return result
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    extended_tokens: int = 0  # tokens run through the model
+    sampled_tokens: int = 0
+    finished: int = 0
+
+
+class StepResult(NamedTuple):
+    updated: list[Req]  # requests that got a token this step
+    finished: list[Req]
+    step: StepOutput | None
+
+
+class Engine:
+    """One model, its KV pool, prefix cache, scheduler and runner; no I/O.
+
+    Requests are validated on `add_request`, so a bad request raises there and never reaches the
+    scheduler: the engine keeps serving the others.
+    """
+
+    def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
+                 outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None) -> None:
+        """`latency_runner` replaces the model (the latency-model executor): no weights are loaded and
+        the KV pool only keeps page accounting."""
+        self.cfg = cfg
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = cfg.torch_device()
+        self.dtype = cfg.torch_dtype(self.device)
+        self.model_config = ModelConfig.from_folder(cfg.model_path)
+        if latency_runner is not None and outputs != StepOutputSpec():
+            raise ValueError("the latency-model executor computes no hidden states, logits or entropy; "
+                             "use an algorithm that needs none (single, bernoulli, ensemble)")
+        mc = self.model_config
+        # Tensor parallelism: rank 0 (this process) schedules and samples; the workers run the model.
+        self.tp: TensorParallel | None = None
+        self.tp_size = cfg.tp_size if latency_runner is None else 1  # the latency executor runs no model
+        check_tp_divisible(mc, self.tp_size, repr(cfg.model_path))
+        if self.tp_size > 1:
+            self.tp = TensorParallel(cfg, self.device)
+            self._finalizer = weakref.finalize(self, self.tp.shutdown)
+        try:
+            self._build(cfg, mc, launch, outputs, latency_runner)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.kill()
+            raise
+        self.reqs: dict[str, Req] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = random.Random(cfg.seed)
+        self._next_rid = 0
+        self.stats = EngineStats()
+
+    def _build(self, cfg: EngineConfig, mc: ModelConfig, launch: LaunchPolicy | None, outputs: StepOutputSpec,
+               latency_runner: LatencyModelRunner | None) -> None:
+        tp = self.tp
+        self.model = None
+        if latency_runner is None:
+            self.model = _on_every_rank(tp, "loading its weights", lambda: load_model(
+                cfg.model_path, self.dtype, self.device, tp.group if tp else None))
+        self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
+        self.eos_token_ids = set(mc.eos_token_ids)
+        if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = {self.tokenizer.eos_token_id}
+        num_pages = self._kv_pages(mc)
+        n = self.tp_size
+        if latency_runner is None:
+            if tp is not None:
+                tp.broadcast_int(num_pages)
+            # each rank's pool holds its own KV heads
+            self.pool = _on_every_rank(tp, "allocating its KV pool", lambda: KVPool(
+                num_pages, cfg.page_size, mc.num_layers, mc.num_kv_heads // n, mc.head_dim, self.dtype, self.device))
+            if tp is not None:
+                tp.serving = True
+        else:  # pages are only counted: one float per slot
+            self.pool = KVPool(num_pages, cfg.page_size, 1, 1, 1, torch.float32, torch.device("cpu"))
+        context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if context > self.pool.capacity_tokens:
+            logger.warning("context length %d capped to the KV pool's %d tokens", context, self.pool.capacity_tokens)
+            context = self.pool.capacity_tokens
+        self.max_model_len = context
+        self.cache = RadixCache(self.pool, enabled=cfg.enable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.page_size, cfg.max_running_requests, cfg.chunked_prefill_size),
+            self.pool, self.cache, launch)
+        self.runner: ModelRunner | LatencyModelRunner
+        if latency_runner is not None:
+            self.runner = latency_runner
+        else:
+            assert self.model is not None
+            backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads // n, mc.num_kv_heads // n,
+                                   mc.head_dim)
+            self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs,
+                                      tp.group if tp is not None else None)
+
+    def _kv_pages(self, mc: ModelConfig) -> int:
+        cfg = self.cfg
+        # Under TP each rank's pool holds num_kv_heads / tp heads; on CPU the ranks share host memory,
+        # so the budget is for all of them together.
+        kv_heads = mc.num_kv_heads // self.tp_size if self.device.type == "cuda" else mc.num_kv_heads
+        per_token = KVPool.bytes_per_token(mc.num_layers, kv_heads, mc.head_dim, self.dtype)
+        if cfg.kv_cache_tokens is not None:
+            tokens = cfg.kv_cache_tokens
+        else:
+            frac = cfg.mem_fraction or (0.8 if self.device.type == "cuda" else 0.2)
+            tokens = int(available_memory_bytes(self.device) * frac) // per_token
+            if cfg.mem_fraction is None:
+                # Without an explicit budget, no need for more than every slot at full context.
+                context = min(cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+                tokens = min(tokens, cfg.max_running_requests * context)
+        return max(1, math.ceil(tokens / cfg.page_size))
+
+    # ---- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine was started without a tokenizer: pass token ids, not text")
+        return self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request; touches no state."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt is empty: a request needs at least one token")
+        vocab = self.model_config.vocab_size
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} tokens "
+                "(the prompt must leave room for at least one output token)")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                    detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None) -> Req:
+        """Validate and queue a request. `detokenize` keeps `req.text` current at every token
+        (streaming); requests with stop strings are always detokenized. A request arriving from a peer
+        brings its seed and, when output was already written, its prompt length."""
+        self.validate(prompt_ids, params)
+        if rid is None:
+            rid = f"req-{self._next_rid}"
+            self._next_rid += 1
+        if rid in self.reqs:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if detokenize and self.tokenizer is None:
+            raise ValueError("text output needs a tokenizer")
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        n_prompt = len(prompt_ids) if prompt_len is None else prompt_len
+        req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=n_prompt, params=params, seed=seed)
+        if detokenize or params.stop:
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens)
+        self.reqs[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def receive(self, rid: str, loc: int, suffix: list[int]) -> Req:
+        """A peer hands request rid back: cut our copy to `loc`, append the suffix, run again.
+        Only the unseen suffix is computed; KV past `loc` is rolled back."""
+        req = self.reqs[rid]
+        self.scheduler.truncate(req, loc)
+        req.tokens.extend(suffix)
+        if req.extend_len == 0:
+            # Nothing new to feed: recompute the last token, whose logits the next sample needs.
+            last = req.tokens[-1]
+            self.scheduler.truncate(req, len(req.tokens) - 1)
+            req.tokens.append(last)
+        if req.status is ReqStatus.PENDING:
+            self.scheduler.resume(req)
+        return req
+
+    def abort(self, rid: str) -> Req | None:
+        req = self.reqs.get(rid)
+        if req is None:
+            return None
+        self._finish(req, "abort")
+        return req
+
+    def has_unfinished(self) -> bool:
+        return bool(self.reqs)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def forward_step(self) -> StepOutput | None:
+        """Schedule and run one step; KV is committed, sampled tokens are not (see append_token).
+        None when nothing launched."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        if self.tp is None:
+            out = self.runner.run(batch.reqs, batch.extend_lens)
+        else:
+            try:
+                out = self.runner.run(batch.reqs, batch.extend_lens)
+            except BaseException as e:
+                self.tp.serving = False  # the ranks may be out of step now: shutdown kills, sends no STOP
+                dead = self.tp.dead_workers(wait=2.0)
+                if dead is None or not isinstance(e, RuntimeError):
+                    raise
+                raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e
+        self.scheduler.commit(batch)
+        self.stats.steps += 1
+        self.stats.extended_tokens += batch.num_tokens
+        self.stats.sampled_tokens += len(out.token_ids)
+        return out
+
+    def step(self) -> StepResult:
+        """One step of single-model decoding: every sampled token is committed."""
+        out = self.forward_step()
+        if out is None:
+            return StepResult([], [], None)
+        now = time.monotonic()
+        finished = []
+        for i, (req, tok) in enumerate(zip(out.reqs, out.token_ids)):
+            self.append_token(req, tok, now, out, i)
+            if req.finished:
+                finished.append(req)
+        return StepResult(out.reqs, finished, out)
+
+    def append_token(self, req: Req, tok: int, now: float, out: StepOutput | None = None, row: int = 0) -> None:
+        """Commit one sampled token to req and finish it if a stop condition holds."""
+        req.tokens.append(tok)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if out is not None and out.logprobs is not None and req.params.logprobs is not None:
+            req.output_logprobs.append(out.logprobs[row])
+            assert out.top_logprobs is not None
+            req.output_top_logprobs.append(out.top_logprobs[row] or {})
+        reason = self._stop_reason(req, tok)
+        if reason is not None:
+            self._finish(req, *reason)
+
+    def _stop_reason(self, req: Req, tok: int) -> tuple[str, int | str | None] | None:
+        p = req.params
+        if tok in p.stop_token_ids:
+            return "stop", tok
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            return "stop", None
+        det = self._detok.get(req.rid)
+        if det is not None:
+            new = det.add([tok])
+            if p.stop and new:
+                hit = self._find_stop(det.text, len(new), p.stop)
+                if hit is not None:
+                    pos, stop = hit
+                    det.text = det.text[:pos + (len(stop) if p.include_stop_str_in_output else 0)]
+                    return "stop", stop
+        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+            return "length", None
+        return None
+
+    @staticmethod
+    def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
+        for s in stops:
+            # Only a match that overlaps the new text can be new.
+            start = max(0, len(text) - num_new - len(s) + 1)
+            pos = text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        return best
+
+    def _finish(self, req: Req, reason: str, stop: int | str | None = None) -> None:
+        req.finish_reason = reason
+        req.stop_reason = stop
+        req.finish_time = time.monotonic()
+        det = self._detok.pop(req.rid, None)
+        if det is not None:
+            req.text = det.text
+        self.scheduler.finish(req)
+        self.reqs.pop(req.rid, None)
+        self.stats.finished += 1
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def close(self) -> None:
+        """Drop every request; the engine stays usable (see shutdown)."""
+        for rid in list(self.reqs):
+            self.abort(rid)
+
+    def shutdown(self) -> None:
+        """Drop every request and stop the tensor-parallel workers (STOP broadcast, then join); the
+        engine cannot step afterwards. Without tensor parallelism the engine holds no processes, so
+        this is close()."""
+        self.close()
+        if self.tp is not None:
+            self.tp.shutdown()
+
+    def embedding_weight(self) -> torch.Tensor:
+        """The model's whole input embedding [vocab, hidden] (routers read it). Under tensor
+        parallelism this rank holds a vocabulary slice, so the whole one is read from the checkpoint
+        (once, cached)."""
+        assert self.model is not None, "the latency-model executor has no embedding"
+        if self.tp is None:
+            return self.model.model.embed_tokens.weight
+        if getattr(self, "_full_embedding", None) is None:
+            from tokenrouter.engine.model_loader import load_tensor
+
+            w = load_tensor(self.cfg.model_path, "model.embed_tokens.weight")
+            self._full_embedding = w.to(self.device, self.dtype)
+        return self._full_embedding
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "model": self.cfg.model_path,
+            "architecture": self.model_config.architecture,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "kv_pages": self.pool.num_pages,
+            "page_size": self.pool.page_size,
+            "max_model_len": self.max_model_len,
+            "tp_size": self.tp_size,
+        }

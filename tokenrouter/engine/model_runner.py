@@ -1,0 +1,156 @@
+"""One forward step over a flat batch of extends, then sampling and the step outputs routers need."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import NamedTuple
+
+import torch
+
+from tokenrouter.engine.req import Req
+from tokenrouter.engine.sampler import Sampler, SamplingBatch
+from tokenrouter.engine.tp_step import broadcast_batch
+from tokenrouter.models.attention.backend import AttentionBackend
+from tokenrouter.models.forward_batch import ForwardBatch
+from tokenrouter.models.kv_pool import KVPool
+from tokenrouter.models.llama import LlamaForCausalLM
+from tokenrouter.models.tp_group import TPGroup
+
+
+class StepOutputSpec(NamedTuple):
+    """Which outputs beyond the sampled token a step computes (routing algorithms declare these)."""
+
+    hidden: bool = False  # last hidden state of each sampled row
+    logits: bool = False  # full float32 logits
+    top_logits: int = 0  # the k largest logits and their token ids
+    entropy: bool = False  # entropy (nats) of the temperature-1 distribution
+
+
+class StepOutput(NamedTuple):
+    """Results for the requests that sampled this step, in row order."""
+
+    reqs: list[Req]
+    token_ids: list[int]
+    logprobs: list[float] | None  # of each sampled token, when any request asked for logprobs
+    top_logprobs: list[dict[int, float] | None] | None
+    hidden: torch.Tensor | None
+    logits: torch.Tensor | None
+    top_logits: tuple[torch.Tensor, torch.Tensor] | None
+    entropy: torch.Tensor | None
+
+
+class ModelRunner:
+    """Owns the model and its attention backend; knows nothing of scheduling.
+
+    `run(reqs, extend_lens)` feeds each request `tokens[kv_len:kv_len + extend_len]`; its pages must
+    already cover positions up to kv_len + extend_len. Requests whose extend reaches the end of their
+    tokens are sampled. The runner writes KV but does not advance kv_len: the caller commits.
+
+    Under tensor parallelism (`tp` of size > 1) this is rank 0: each step's batch is broadcast to the
+    other ranks before the forward (they run the same model code, so the collectives pair up), and
+    sampling happens here only.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
+                 device: torch.device, outputs: StepOutputSpec = StepOutputSpec(), tp: TPGroup | None = None) -> None:
+        self.model = model
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.pool = pool
+        self.backend = backend
+        self.device = device
+        self.outputs = outputs
+        self.sampler = Sampler(device)
+
+    def build_batch(self, reqs: list[Req], extend_lens: list[int]) -> tuple[ForwardBatch, list[int]]:
+        """The forward batch, and the indices (into reqs) of the requests that sample."""
+        dev = self.device
+        p = self.pool.page_size
+        prefix = [r.kv_len for r in reqs]
+        ids = list(itertools.chain.from_iterable(
+            r.tokens[k:k + e] for r, k, e in zip(reqs, prefix, extend_lens)))
+        n_pages = [math.ceil((k + e) / p) for k, e in zip(prefix, extend_lens)]
+        width = max(n_pages)
+        table = [r.pages[:n] + [0] * (width - n) for r, n in zip(reqs, n_pages)]
+        sampled = [i for i, (r, k, e) in enumerate(zip(reqs, prefix, extend_lens)) if k + e == len(r.tokens)]
+
+        prefix_t = torch.tensor(prefix, dtype=torch.int64)
+        ext_t = torch.tensor(extend_lens, dtype=torch.int64)
+        starts = torch.cumsum(ext_t, 0) - ext_t
+        total = int(ext_t.sum())
+        req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), ext_t, output_size=total)
+        positions = torch.arange(total) - starts[req_of_row] + prefix_t[req_of_row]
+        table_t = torch.tensor(table, dtype=torch.int64)
+        slots = table_t[req_of_row, positions // p] * p + positions % p
+        sample_rows = (starts + ext_t - 1)[torch.tensor(sampled, dtype=torch.int64)]
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+            positions=positions.to(dev, non_blocking=True),
+            out_slots=slots.to(dev, non_blocking=True),
+            page_table=table_t.to(dev, non_blocking=True),
+            prefix_lens=prefix_t.to(dev, non_blocking=True),
+            extend_lens=ext_t.to(dev, non_blocking=True),
+            sample_rows=sample_rows.to(dev, non_blocking=True),
+            prefix_lens_list=prefix,
+            extend_lens_list=list(extend_lens),
+            page_size=p,
+        )
+        return batch, sampled
+
+    @torch.inference_mode()
+    def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
+        batch, sampled_idx = self.build_batch(reqs, extend_lens)
+        if self.tp is not None:
+            broadcast_batch(self.tp, batch)
+        self.backend.plan(batch)
+        hidden = self.model(batch, self.backend)
+        sampled = [reqs[i] for i in sampled_idx]
+        if not sampled:
+            return StepOutput([], [], None, None, None, None, None, None)
+        h = hidden[batch.sample_rows]
+        logits = self.model.compute_logits(h)
+        sb = SamplingBatch(
+            temperatures=[r.params.temperature for r in sampled],
+            top_ks=[r.params.top_k for r in sampled],
+            top_ps=[r.params.top_p for r in sampled],
+            seeds=[r.seed for r in sampled],
+            positions=[len(r.tokens) for r in sampled],
+        )
+        next_ids = self.sampler.sample(logits, sb)
+        spec = self.outputs
+        want_lp = any(r.params.logprobs is not None for r in sampled)
+        logprobs = top_lps = entropy = None
+        if want_lp or spec.entropy:
+            lsm = torch.log_softmax(logits, dim=-1)
+            if spec.entropy:
+                entropy = -(lsm.exp() * lsm).sum(dim=-1)
+            if want_lp:
+                logprobs = lsm.gather(1, next_ids[:, None]).squeeze(1).tolist()
+                top_lps = self._top_logprobs(lsm, sampled)
+        top = None
+        if spec.top_logits:
+            vals, ids = logits.topk(spec.top_logits, dim=-1)
+            top = (vals, ids)
+        return StepOutput(
+            reqs=sampled,
+            token_ids=next_ids.tolist(),
+            logprobs=logprobs,
+            top_logprobs=top_lps,
+            hidden=h if spec.hidden else None,
+            logits=logits if spec.logits else None,
+            top_logits=top,
+            entropy=entropy,
+        )
+
+    @staticmethod
+    def _top_logprobs(lsm: torch.Tensor, reqs: list[Req]) -> list[dict[int, float] | None]:
+        k_max = max(r.params.logprobs or 0 for r in reqs)
+        if k_max == 0:
+            return [{} if r.params.logprobs is not None else None for r in reqs]
+        vals, ids = lsm.topk(k_max, dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        out: list[dict[int, float] | None] = []
+        for r, v, i in zip(reqs, vals_l, ids_l):
+            k = r.params.logprobs
+            out.append(None if k is None else dict(zip(i[:k], v[:k])))
+        return out

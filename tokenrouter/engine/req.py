@@ -1,0 +1,77 @@
+"""A request as one subserver sees it: its tokens, how many of them have KV, and its pages."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tokenrouter.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenrouter.engine.radix_cache import TreeNode
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"  # queued for admission; holds no pages
+    RUNNING = "running"  # admitted; scheduled at every step until it finishes
+    PENDING = "pending"  # at a peer model: skipped by the scheduler, pages and prefix lock kept
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity: two requests are never equal
+class Req:
+    """One request on one model.
+
+    Invariants:
+    - `tokens[:kv_len]` have KV in `pages`; a scheduled request feeds `tokens[kv_len:]`, so prefill,
+      chunked prefill, catching up on a peer's suffix and decoding are the same operation.
+    - `pages[:cached_len // page_size]` belong to the prefix cache and are locked through
+      `cache_node`; the rest are private to this request. `cached_len` is page aligned.
+    - A WAITING request holds no pages and no lock.
+    """
+
+    rid: str
+    tokens: list[int]
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    status: ReqStatus = ReqStatus.WAITING
+    kv_len: int = 0
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0
+    cache_node: TreeNode | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: str = ""  # decoded output, kept only while stop strings need it
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    extended_tokens: int = 0  # tokens this request ran through the model (recompute included)
+    prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
+    num_preemptions: int = 0
+
+    @property
+    def extend_len(self) -> int:
+        return len(self.tokens) - self.kv_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def num_cached_pages(self, page_size: int) -> int:
+        return self.cached_len // page_size
+
+    def private_pages(self, page_size: int) -> list[int]:
+        return self.pages[self.cached_len // page_size:]

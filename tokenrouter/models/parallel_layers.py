@@ -1,0 +1,92 @@
+"""Tensor-parallel layers. With a group of size 1 each is exactly its plain counterpart (same
+parameter shapes, same arithmetic), so the single-process engine is unchanged.
+
+- `ColumnParallelLinear`: the output features are split; each rank holds its rows of the weight and
+  returns its slice of the output (no communication). Fused q/k/v and gate/up are column-parallel
+  with the *fusion done per shard*: rank r holds [q_r; k_r; v_r] (its heads' q, k and v) and
+  [gate_r; up_r], so the local output splits exactly as the unsharded one does.
+- `RowParallelLinear`: the input features are split; each rank multiplies its slice and the partial
+  sums are all-reduced (the bias, if any, is added once, after the sum).
+- `VocabParallelEmbedding`: rank r holds vocabulary rows [r * Vp, (r + 1) * Vp) (Vp = ceil(V / tp),
+  the last shard padded with zero rows); ids outside the slice look up zeros and the all-reduce
+  fills them in.
+- `ParallelLMHead`: the same vocabulary split; `logits` computes the local slice and all-gathers the
+  full row on every rank (the padding is cut off).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenrouter.models.tp_group import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features_local: int, bias: bool, tp: TPGroup) -> None:
+        """`out_features_local`: this rank's output features."""
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features_local, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features_local)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        """`in_features`: the full input width; this rank holds in_features / tp of its columns."""
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = self.tp.all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = math.ceil(vocab_size / tp.size)  # rows per rank (the last shard may be padded)
+        self.start = min(vocab_size, tp.rank * self.rows)
+        self.end = min(vocab_size, self.start + self.rows)  # real rows: [start, end)
+        self.weight = nn.Parameter(torch.zeros(self.rows, dim))  # padding rows stay zero
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= self.start) & (ids < self.end)
+        local = F.embedding(torch.where(inside, ids - self.start, 0), self.weight)
+        local = local.masked_fill(~inside[:, None], 0.0)
+        return self.tp.all_reduce(local)
+
+
+class ParallelLMHead(nn.Module):
+    """The output projection's vocabulary shard (the same split as `VocabParallelEmbedding`)."""
+
+    def __init__(self, vocab_size: int, dim: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.rows = math.ceil(vocab_size / tp.size)
+        self.start = min(vocab_size, tp.rank * self.rows)
+        self.end = min(vocab_size, self.start + self.rows)
+        self.weight = nn.Parameter(torch.zeros(self.rows, dim))  # padding rows stay zero
+
+
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
+    """Full logits [N, V] on every rank from each rank's vocabulary shard of the output weight."""
+    local = hidden @ weight.t()
+    if tp.size == 1:
+        return local
+    return tp.all_gather(local, dim=-1)[:, :vocab_size]

@@ -1,0 +1,48 @@
+"""What the serving runtime adds to the profile's step latencies, for the throughput model.
+
+A profile gives each model's step latency at one token per request. The runtime adds, measured on
+the latency-model executor (benchmarks/ablation.py --calibrate, from tokenrouter.engine.step_trace):
+
+- catch-up tokens: a request handed to L brings the tokens S wrote since L last ran it, which L
+  must feed before it samples; with geometric gaps that is (1 - p) / p tokens beyond one per
+  request (only for the first token of a span: continuations bring none), each costing the
+  profile's per-token latency. S gets back a span of L's tokens, m_L - 1 beyond one, for the
+  share p of its batch that just returned.
+- a per-step overhead of each model (scheduling, routing, sending tokens and hand-offs, draining
+  the inbox): time between two steps of a model that has work;
+- the hand-off latency: from the end of the S step that hands a request off to the start of the L
+  step that runs it, when L was idle (message, wake-up, scheduling).
+
+The overheads go into the step latencies the chain sees; the hand-off latency and the timing of
+returns are the continuous-time chain's (tokenrouter.planner.continuous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenrouter.planner.latency import Function, LatencyLike, LatencyModel, as_latency
+
+
+@dataclass(frozen=True)
+class Runtime:
+    s_token: float = 0.0  # seconds per token beyond one per request, S (the profile's per_token)
+    l_token: float = 0.0  # the same for L
+    s_overhead: float = 0.0  # seconds per S step added by the runtime
+    l_overhead: float = 0.0  # seconds per L step added by the runtime (returns reach S after it)
+    handoff: float = 0.0  # seconds from an S step's end to the start of the idle L's step
+
+    def __post_init__(self) -> None:
+        for name, v in self.__dict__.items():
+            if not v >= 0.0:
+                raise ValueError(f"runtime {name} must be >= 0 seconds, got {v}")
+
+    def step_latencies(self, lat_s: LatencyLike, lat_l: LatencyLike, p: float,
+                       q_l: float = 0.0) -> tuple[LatencyModel, LatencyModel]:
+        """(t_S(b), t_L(b)) as the runtime sees them: profile latency + catch-up tokens + overhead."""
+        s, lat = as_latency(lat_s), as_latency(lat_l)
+        l_extra = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
+        s_extra = p * q_l / (1.0 - q_l)
+        s_eff = Function(lambda b: s(b) + self.s_overhead + self.s_token * s_extra * b)
+        l_eff = Function(lambda b: lat(b) + self.l_overhead + self.l_token * l_extra * b)
+        return s_eff, l_eff

@@ -1,0 +1,177 @@
+"""Messages between the entry and the subservers, and between subservers (msgpack, never pickle)."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from tokenrouter.routing.peer_req import PeerReq
+from tokenrouter.runtime.model_identity import ModelIdentity
+from tokenrouter.sampling_params import SamplingParams
+
+
+class AddReq(msgspec.Struct, tag="add"):
+    """Entry -> entry model: a new request. Its stop strings stay at the entry, which detects them."""
+
+    rid: str
+    tokens: list[int]
+    params: SamplingParams
+    seed: int
+
+
+class Abort(msgspec.Struct, tag="abort"):
+    """Entry -> every subserver: drop the request wherever it is (running, waiting or PENDING)."""
+
+    rid: str
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+class StatsQuery(msgspec.Struct, tag="stats?"):
+    pass
+
+
+class Active(msgspec.Struct, tag="active"):
+    """Entry -> every subserver: the group now has n live (admitted, unfinished) requests."""
+
+    n: int
+
+
+class SetThresholds(msgspec.Struct, tag="thresholds"):
+    """Entry -> a subserver: launch when B(n) requests are ready (delayed batching), table {n: B}."""
+
+    table: dict[int, int]
+
+
+class Wake(msgspec.Struct, tag="wake"):
+    """To the entry's own inbox from another thread of its process: stop waiting, work arrived."""
+
+
+class Topology(msgspec.Struct, tag="topology"):
+    """Entry -> every subserver, once all are ready: where each model's inbox listens."""
+
+    addresses: dict[str, str]
+
+
+class FirstVisit(msgspec.Struct):
+    """What a model needs to create a request it has never seen."""
+
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+
+
+class Peer(msgspec.Struct, tag="peer"):
+    """Subserver -> subserver: a hand-off (or a finish notice when req.finished)."""
+
+    sender: str
+    req: PeerReq
+    first: FirstVisit | None = None
+
+
+class TokenEvent(msgspec.Struct, array_like=True):
+    rid: str
+    pos: int  # absolute position in prompt + output
+    token: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+class Tokens(msgspec.Struct, tag="tokens"):
+    """Subserver -> entry: tokens committed in one step, each with its absolute position."""
+
+    model: str
+    items: list[TokenEvent]
+
+
+class Finished(msgspec.Struct, tag="finished"):
+    """Subserver -> entry: the request ended on `model` with `length` tokens (prompt + output)."""
+
+    rid: str
+    model: str
+    reason: str
+    stop_reason: int | None
+    length: int
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    model: str
+    address: str  # where the subserver's inbox listens
+    pid: int
+    capacity_tokens: int
+    page_size: int
+    max_model_len: int
+    vocab_size: int
+    latency: dict[str, Any] | None = None  # StepLatency measured at start-up, when the planner asked for it
+    vocab_hash: str = ""  # model_identity.vocab_hash of its tokenizer
+    torch_threads: int = 0  # torch.get_num_threads() in the serving process (0: not reported)
+    cpu_affinity: list[int] = []  # the cores the process may run on (os.sched_getaffinity), sorted
+
+
+class Join(msgspec.Struct, tag="join"):
+    """A subserver started by hand on another host -> the entry: I serve `model`, my inbox is `address`."""
+
+    model: str
+    address: str
+    identity: ModelIdentity
+    host: str  # for the entry's log: who joined
+
+
+class Welcome(msgspec.Struct, tag="welcome"):
+    """Entry -> joiner: accepted; the group config (its model's spec included) to load and serve."""
+
+    group: dict[str, Any]
+
+
+class Refused(msgspec.Struct, tag="refused"):
+    """Entry -> joiner: not accepted, and why."""
+
+    reason: str
+
+
+class ReqError(msgspec.Struct, tag="error"):
+    """Subserver -> entry: a request failed on `model` (rid None: the subserver itself failed)."""
+
+    model: str
+    rid: str | None
+    message: str
+
+
+# Upper bounds (seconds) of the step-latency histogram each subserver keeps; the last bucket is +Inf.
+STEP_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    model: str
+    steps: int
+    tokens_written: int
+    extended_tokens: int
+    handoffs_sent: int
+    pending_periods: int
+    pending_seconds: float
+    preemptions: int
+    free_pages: int
+    cached_pages: int
+    total_pages: int
+    live_requests: int
+    waiting_requests: int
+    step_seconds_sum: float
+    step_buckets: list[int]  # steps per STEP_LATENCY_BUCKETS bound, then the +Inf overflow (not cumulative)
+
+
+Message = Union[AddReq, Abort, Active, SetThresholds, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished,
+                Ready, ReqError, Stats, Join, Welcome, Refused]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

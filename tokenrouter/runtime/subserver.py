@@ -1,0 +1,373 @@
+"""A subserver: one model's engine in its own process, with the decode loop and the inter-model loop.
+
+Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out (zmq PUSH,
+never blocking: zmq's I/O thread does the sending) and in (drained between steps). The scheduler and
+engine know nothing of sockets; this file is the only place that joins them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import signal
+import time
+import traceback
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.latency_model import InterferenceClock, LatencyModelRunner
+from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
+from tokenrouter.engine.lifetime import die_with_parent
+from tokenrouter.engine.model_runner import StepOutput
+from tokenrouter.engine.req import Req
+from tokenrouter.routing import PeerReq, make_algorithm
+from tokenrouter.runtime.connection_watch import ConnectionWatch
+from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+from tokenrouter.runtime.messages import (
+    STEP_LATENCY_BUCKETS,
+    Abort,
+    Active,
+    AddReq,
+    Finished,
+    FirstVisit,
+    Peer,
+    Ready,
+    ReqError,
+    SetThresholds,
+    Shutdown,
+    Stats,
+    StatsQuery,
+    TokenEvent,
+    Tokens,
+    Topology,
+    decode,
+    encode,
+)
+from tokenrouter.runtime.model_identity import vocab_hash
+from tokenrouter.runtime.transport_security import secure_client, secure_server, start_authenticator
+
+logger = logging.getLogger(__name__)
+
+_ABORT_MEMORY_S = 300.0  # how long an aborted rid is remembered, to drop hand-offs still in flight
+
+
+class Subserver:
+    """One model's engine behind its sockets. Request ids on the wire are unique per admission (the
+    entry makes them so): an aborted id is remembered, to drop hand-offs of it still in flight."""
+
+    def __init__(self, spec: ModelSpec, group: GroupConfig, bind_address: str, entry_address: str,
+                 parent_pid: int | None = None, advertise_host: str | None = None,
+                 watch_entry: bool = False) -> None:
+        """`advertise_host`: the host others reach the inbox at when it binds a wildcard interface.
+        `watch_entry`: not the entry's child (joined, or a Ray actor), so exit when its connection drops."""
+        self.name = spec.name
+        self.parent_pid = parent_pid
+        self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
+        seed = group.seed + group.names.index(spec.name)
+        thresholds = group.launch_thresholds().get(spec.name)
+        self.launch: LaunchPolicy = ThresholdLaunch(thresholds) if thresholds else EagerLaunch()
+        planned = group.launch.get("policy") == "planner"
+        self.measure_latency = planned and group.planner_profile() is None
+        self.clock: InterferenceClock | None = None
+        runner = None
+        if group.executor.get("mode") == "latency":
+            profile = group.latency_profile()
+            names = group.names
+            alphas = {names.index(p): a for p, a in profile.interference.get(spec.name, {}).items() if p in names}
+            self.clock = InterferenceClock(names.index(spec.name), alphas, group.executor.get("flags"))
+            runner = LatencyModelRunner.for_model(profile, spec.name, spec.path, self.clock)
+        self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name),
+                             latency_runner=runner)
+        self.algorithm.bind(spec.name, self.engine)
+        self.ctx = zmq.Context()
+        self.keys = group.curve_keys()
+        self._auth = start_authenticator(self.ctx, self.keys) if self.keys else None
+        self.inbox = self.ctx.socket(zmq.PULL)
+        secure_server(self.inbox, self.keys)
+        self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here
+        self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
+        if advertise_host:
+            self.address = f"tcp://{advertise_host}:{self.address.rsplit(':', 1)[1]}"
+        self.entry_watch: ConnectionWatch | None = None
+        self.to_entry = self._push(entry_address, watch=watch_entry)
+        self.to_peer: dict[str, zmq.Socket] = {}  # connected when the Topology message arrives
+        # rid -> {peer: number of this request's tokens that peer holds}
+        self.known: dict[str, dict[str, int]] = {}
+        self.pending_since: dict[str, float] = {}
+        self.aborted: dict[str, float] = {}
+        self.running = True
+        self.handoffs_sent = self.pending_periods = self.tokens_written = 0
+        self.pending_seconds = 0.0
+        self.step_seconds_sum = 0.0
+        self.step_buckets = [0] * (len(STEP_LATENCY_BUCKETS) + 1)
+
+    def _push(self, address: str, watch: bool = False) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # never block the decode loop on a slow reader
+        sock.setsockopt(zmq.LINGER, 1000)
+        secure_client(sock, self.keys)
+        if watch:
+            self.entry_watch = ConnectionWatch(sock)
+        sock.connect(address)
+        return sock
+
+    def _send(self, sock: zmq.Socket, msg: Any) -> None:
+        sock.send(encode(msg), zmq.NOBLOCK)
+
+    # ---- the loops -------------------------------------------------------------------------
+    def run(self) -> None:
+        eng = self.engine
+        latency = None
+        if self.measure_latency:
+            from tokenrouter.engine.profiler import measure_engine
+
+            latency = measure_engine(eng, (1, 4, 16), context=64, steps=3, progress=False).to_dict()
+        affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._send(self.to_entry, Ready(self.name, self.address, os.getpid(), eng.pool.capacity_tokens,
+                                        eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency,
+                                        vocab_hash(eng.tokenizer) if eng.tokenizer is not None else "",
+                                        torch.get_num_threads(), affinity))
+        last_check = time.monotonic()
+        stepped = False
+        while self.running:
+            # Block on the inbox unless the last pass ran a step: requests held below the launch
+            # threshold wait for a message (a hand-off, a new live count), and polling for it would
+            # spin a core that the co-located model needs.
+            self._drain(timeout_ms=0 if stepped else 100)
+            stepped = self.running and eng.scheduler.has_work() and self._step()
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                self._housekeeping(now)
+
+    def _housekeeping(self, now: float) -> None:
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.error("%s: entry process is gone, exiting", self.name)
+            self.running = False
+        if self.entry_watch is not None and self.entry_watch.gone():
+            logger.error("%s: the connection to the entry dropped, exiting", self.name)
+            self.running = False
+        for rid in [r for r, t in self.aborted.items() if now - t > _ABORT_MEMORY_S]:
+            del self.aborted[rid]
+        if not self.engine.scheduler.has_work() and not self.engine.reqs:
+            self.engine.check_integrity()
+
+    def _drain(self, timeout_ms: int) -> None:
+        if not self.inbox.poll(timeout_ms):
+            return
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
+            except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
+                logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, AddReq):
+            try:
+                self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
+                self.known[msg.rid] = {}
+            except ValueError as e:
+                self._send(self.to_entry, ReqError(self.name, msg.rid, str(e)))
+        elif isinstance(msg, Peer):
+            self._receive(msg)
+        elif isinstance(msg, Abort):
+            self.aborted[msg.rid] = time.monotonic()
+            self._drop(msg.rid)
+        elif isinstance(msg, Active):
+            self.launch.group_active = msg.n
+        elif isinstance(msg, SetThresholds):
+            if isinstance(self.launch, ThresholdLaunch):
+                self.launch.thresholds = Thresholds(msg.table)
+            else:
+                active = self.launch.group_active
+                self.launch = ThresholdLaunch(Thresholds(msg.table))
+                self.launch.group_active = active
+                self.engine.scheduler.launch = self.launch
+        elif isinstance(msg, Topology):
+            for name, address in msg.addresses.items():
+                if name != self.name and name not in self.to_peer:
+                    self.to_peer[name] = self._push(address)
+        elif isinstance(msg, StatsQuery):
+            self._send(self.to_entry, self.stats())
+        elif isinstance(msg, Shutdown):
+            self.running = False
+
+    def _drop(self, rid: str) -> None:
+        self.engine.abort(rid)
+        self.known.pop(rid, None)
+        since = self.pending_since.pop(rid, None)
+        if since is not None:
+            self.pending_seconds += time.monotonic() - since
+
+    def _receive(self, msg: Peer) -> None:
+        peer = self.algorithm.receive(msg.req, self.name)
+        rid = peer.rid
+        if peer.finished or rid in self.aborted:
+            self._drop(rid)
+            return
+        eng = self.engine
+        if rid not in eng.reqs:
+            if msg.first is None:
+                return  # a late hand-off of a request that already ended here
+            if peer.loc != 0:
+                self._send(self.to_entry, ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
+                return
+            try:
+                eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
+                                prompt_len=msg.first.prompt_len)
+            except ValueError as e:
+                self._send(self.to_entry, ReqError(self.name, rid, str(e)))
+                return
+            self.known[rid] = {}
+        else:
+            eng.receive(rid, peer.loc, peer.suffix)
+            since = self.pending_since.pop(rid, None)
+            if since is not None:
+                self.pending_seconds += time.monotonic() - since
+        self.known[rid][msg.sender] = peer.loc + len(peer.suffix)
+
+    def _step(self) -> bool:
+        """Run one step if the scheduler launches one; whether it did."""
+        eng = self.engine
+        t0 = time.perf_counter()
+        out = eng.forward_step()
+        if out is None:
+            return False
+        took = time.perf_counter() - t0
+        self.step_seconds_sum += took
+        self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
+        if not out.reqs:
+            return True
+        routes = self.algorithm.route(self.name, out)
+        now = time.monotonic()
+        events: list[TokenEvent] = []
+        finished: list[Req] = []
+        handoffs: list[tuple[Req, str]] = []
+        for i, (req, tok, route) in enumerate(zip(out.reqs, out.token_ids, routes)):
+            if route.dest is None or route.keep:
+                eng.append_token(req, tok, now, out, i)
+                events.append(self._event(req, out, i))
+                if req.finished:
+                    finished.append(req)
+                    continue
+            if route.dest is not None:
+                handoffs.append((req, route.dest))
+        self.tokens_written += len(events)
+        # Tokens first: the entry must see a request's last token no later than its finish.
+        if events:
+            self._send(self.to_entry, Tokens(self.name, events))
+        for req in finished:
+            self._finished(req)
+        for req, dest in handoffs:
+            self._handoff(req, dest, now)
+        return True
+
+    @staticmethod
+    def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
+        lp = top = None
+        if req.params.logprobs is not None and out.logprobs is not None:
+            lp = out.logprobs[row]
+            top = out.top_logprobs[row] if out.top_logprobs is not None else None
+        return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top)
+
+    def _finished(self, req: Req) -> None:
+        stop = req.stop_reason if isinstance(req.stop_reason, int) else None
+        self._send(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop, len(req.tokens)))
+        for peer in self.known.pop(req.rid, {}):
+            self._send(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
+
+    def _handoff(self, req: Req, dest: str, now: float) -> None:
+        if dest not in self.to_peer:
+            raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
+        known = self.known.setdefault(req.rid, {})
+        first = None if dest in known else FirstVisit(req.prompt_len, req.params, req.seed)
+        peer = self.algorithm.send(req, dest, known.get(dest, 0))
+        self.engine.scheduler.set_pending(req)
+        self.pending_since[req.rid] = now
+        self.pending_periods += 1
+        self.handoffs_sent += 1
+        known[dest] = peer.loc + len(peer.suffix)
+        self._send(self.to_peer[dest], Peer(self.name, peer, first))
+
+    def stats(self) -> Stats:
+        eng = self.engine
+        return Stats(
+            model=self.name, steps=eng.stats.steps, tokens_written=self.tokens_written,
+            extended_tokens=eng.stats.extended_tokens, handoffs_sent=self.handoffs_sent,
+            pending_periods=self.pending_periods, pending_seconds=self.pending_seconds,
+            preemptions=eng.scheduler.num_preemptions, free_pages=eng.pool.num_free,
+            cached_pages=eng.cache.total_pages, total_pages=eng.pool.num_pages,
+            live_requests=len(eng.reqs), waiting_requests=len(eng.scheduler.waiting),
+            step_seconds_sum=self.step_seconds_sum, step_buckets=list(self.step_buckets),
+        )
+
+    def close(self) -> None:
+        if self.engine.tp is not None:
+            self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
+        if self.clock is not None:
+            self.clock.close()
+        if self.entry_watch is not None:
+            self.entry_watch.close()
+        for sock in (self.inbox, self.to_entry, *self.to_peer.values()):
+            sock.close(linger=500)
+        if self._auth is not None:
+            self._auth.stop()
+        self.ctx.term()
+
+
+def configure_process(model: ModelSpec) -> None:
+    """Threads and cores as the spec asks (oversubscribed cores make torch 5-13x slower)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if model.cores:
+        os.sched_setaffinity(0, model.cores)
+    import torch
+
+    torch.set_num_threads(model.threads)
+
+
+def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry_address: str,
+                    parent_pid: int | None = None, advertise_host: str | None = None,
+                    watch_entry: bool = False) -> None:
+    """Load and serve until Shutdown; a failure is reported to the entry (which turns it into a clear
+    error) and raised again."""
+    server = None
+    try:
+        server = Subserver(model, cfg, bind_address, entry_address, parent_pid, advertise_host, watch_entry)
+        server.run()
+    except BaseException as e:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        secure_client(sock, cfg.curve_keys())
+        sock.connect(entry_address)
+        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+        sock.send(encode(ReqError(model.name, None, msg)))
+        sock.close()
+        raise
+    finally:
+        if server is not None:
+            server.close()
+
+
+def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: str,
+                   entry_address: str, parent_pid: int) -> None:
+    """Process entry point (spawned by the entry): configure threads and cores, then serve."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
+    model = ModelSpec(**spec)
+    configure_process(model)
+    try:
+        serve_subserver(model, GroupConfig.from_dict(group), bind_address, entry_address, parent_pid)
+    except BaseException as e:
+        raise SystemExit(1) from e

@@ -1,0 +1,83 @@
+"""Start the server: the routed group's subservers, the entry thread, and uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import uvicorn
+
+from tokenrouter.engine.tokenizer import load_tokenizer
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.server.app import ServerConfig, build_app
+from tokenrouter.server.async_entry import AsyncEntry
+
+logger = logging.getLogger(__name__)
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its graceful shutdown, killing the process before our
+    own cleanup runs; here a signal ends serve() normally, so the subservers are stopped and the
+    process exits 0.
+
+    At the end of the grace period uvicorn cancels the handlers still running, which cuts a stream
+    off with no ending a client can recognise. So shortly before that (a second, or half the grace
+    period when it is shorter) every request still in flight is ended here with an error (a stream's
+    last events are an error event and [DONE]; a non-streaming request gets 503) and aborted on the
+    subservers, and the connections close on their own within the grace period."""
+
+    def __init__(self, config: uvicorn.Config, runtime: AsyncEntry | None = None) -> None:
+        super().__init__(config)
+        self.runtime = runtime
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                self._captured_signals.clear()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        ender = None
+        if self.runtime is not None and grace is not None:
+            ender = asyncio.create_task(self._end_in_flight(grace))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if ender is not None:
+                ender.cancel()
+
+    async def _end_in_flight(self, grace: float) -> None:
+        await asyncio.sleep(max(0.0, grace - min(1.0, grace / 2)))
+        assert self.runtime is not None
+        n = self.runtime.abort_all(f"the server is shutting down: the request did not finish within the "
+                                   f"{grace:g} s grace period")
+        if n:
+            logger.warning("aborted %d request(s) still running at the end of the %g s grace period", n, grace)
+
+
+def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, grace_period: float = 30.0, log_level: str = "info",
+          restart_on_failure: bool = False, max_body_bytes: int = 8 << 20,
+          request_timeout: float | None = None) -> None:
+    """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish for up to
+    `grace_period` seconds (the rest are aborted), stop every subserver and return."""
+    runtime = AsyncEntry(group, restart_on_failure=restart_on_failure)
+    runtime.start(timeout=group.startup_timeout + 10)
+    try:
+        assert runtime.entry is not None
+        tokenizer = load_tokenizer(group.spec(runtime.entry.algorithm.entry_model).path)
+        app = build_app(runtime, tokenizer, ServerConfig(model_name or group.name, api_key, max_body_bytes,
+                                                        request_timeout))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=grace_period, access_log=False)
+        server = GracefulServer(config, runtime)
+        logger.info("serving %s (%s) on http://%s:%d", model_name or group.name, ", ".join(group.names), host, port)
+        server.run()
+    finally:
+        runtime.close()

