@@ -70,17 +70,15 @@ def smollm2_gguf_path() -> Path:
 
 def _read_header(src: Path) -> tuple[str | None, list[int], int]:
     """What transformers' loader does not act on: the file's pre-tokenizer name, its end-of-generation
-    token ids, and how many tensors it holds."""
-    import gguf
+    token ids, and how many tensors it holds (transformers' header reader: no vocabulary parsed)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
 
     try:
-        reader = gguf.GGUFReader(str(src))
-    except Exception as e:  # the reader raises ValueError / struct errors on non-GGUF input
+        meta, tensors = read_gguf_metadata(str(src))
+    except Exception as e:  # ValueError / struct errors on non-GGUF or truncated input
         raise GGUFConversionError(f"{src} is not a readable GGUF file ({e})") from e
-    pre = reader.fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in reader.fields else None
-    eos_keys = [f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")]
-    eos = [int(reader.fields[key].contents()) for key in eos_keys if key in reader.fields]
-    return pre, list(dict.fromkeys(eos)), len(reader.tensors)
+    eos = [int(meta[key]) for key in (f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom")) if key in meta]
+    return meta.get("tokenizer.ggml.pre"), list(dict.fromkeys(eos)), len(tensors)
 
 
 def _load(src: Path, dtype: str) -> tuple[Any, Any]:
