@@ -16,6 +16,7 @@ loader leaves out:
 * SmolLM-style vocabularies (`tokenizer.ggml.pre` in `_DIGIT_SPLIT_PRE`) cut every digit out before
   the GPT-2 split, as llama.cpp and the model's own tokenizer.json do; transformers' GGUF tokenizer
   does not, which changes the tokens of a space before a non-ASCII digit.
+* The tokenizer's `model_max_length` is the model's context length (transformers leaves it unbounded).
 * A file whose tensors do not fill the model exactly is refused: missing, unexpected or misshapen
   weights (transformers only warns) and tensors transformers has no name for (it drops them silently:
   a Llama 3.1 `rope_freqs`, mixture-of-experts or q/k-norm tensors in a dense Llama).
