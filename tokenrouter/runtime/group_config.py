@@ -188,7 +188,7 @@ class ModelSpec:
     def from_dict(cls, d: Mapping[str, Any], seed: int, where: str) -> ModelSpec:
         """A model's flat YAML entry (`where` names it in errors, e.g. models[1])."""
         d = dict(d)
-        if "launcher" in d:  # the field's name until 0.x; `launch` means the launch policy now
+        if "launcher" in d:  # its old name; "launch" is the launch policy
             if "start" in d:
                 raise ValueError(f"{where}: give start (launcher is its old name), not both")
             logger.warning("%s: `launcher` is deprecated, write `start: %s`", where, d["launcher"])
