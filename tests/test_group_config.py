@@ -43,6 +43,7 @@ def with_model(i: int, **fields) -> dict:
     (pair(launch={"policy": "planner", "profile": "/no/such/profile.json"}), r"launch\.profile: .*No such file"),
     (pair(executor={"mode": "fast"}), r"executor\.mode must be one of model, latency, got 'fast'"),
     (pair(executor={"mode": "latency"}), r"executor\.profile: the latency executor needs a profile"),
+    (pair(executor={"mode": "model", "profile": PROFILE}), r"executor\.profile applies with mode: latency"),
     (pair(executor={"mode": "latency", "profile": {"models": {"small": {"base": 0.01}}}}),
      r"executor\.profile: the latency profile has no step latency for model\(s\) large"),
     (pair(executor={"mode": "latency", "profil": "p.json"}), r"executor: unknown field\(s\) profil"),

@@ -129,6 +129,8 @@ class ExecutorConfig:
             raise ValueError(f"executor.mode must be one of {', '.join(EXECUTOR_MODES)}, got {self.mode!r}")
         if self.mode == "latency" and self.profile is None:
             raise ValueError("executor.profile: the latency executor needs a profile (a path or an inline dict)")
+        if self.mode != "latency" and self.profile is not None:
+            raise ValueError(f"executor.profile applies with mode: latency, not {self.mode!r}")
 
     @property
     def latency(self) -> bool:
@@ -307,7 +309,7 @@ class GroupConfig:
     def planner_profile(self) -> LatencyProfile | None:
         """The step latencies the planner uses: the launch section's profile, or the latency
         executor's, or None (then each subserver measures its own at start-up)."""
-        return self.launch.profile or self.executor.profile
+        return self.launch.profile if self.launch.profile is not None else self.executor.profile
 
     def curve_keys(self) -> CurveKeys | None:
         return keys_from_secret(self.secret) if self.transport == "tcp" and self.secret else None
