@@ -36,7 +36,7 @@ from tokenrouter.engine.latency_model import LatencyModelRunner, LatencyProfile
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.engine.step_trace import read_trace, runtime_costs
 from tokenrouter.models.random_model import build_random_model
-from tokenrouter.planner import Runtime, best_thresholds, throughput_curve, zero_wait_bound
+from tokenrouter.planner import Overheads, best_thresholds, throughput_curve, zero_wait_bound
 from tokenrouter.routing import make_algorithm
 from tokenrouter.runtime.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
@@ -77,10 +77,10 @@ def latencies(profile: LatencyProfile):
     return (lambda b: profile.models["small"](b, b)), (lambda b: profile.models["large"](b, b))
 
 
-def load_runtime(profile: LatencyProfile, path: str | None) -> Runtime:
+def load_overheads(profile: LatencyProfile, path: str | None) -> Overheads:
     """The runtime's costs: per-token costs from the profile, overheads from a calibration file."""
     cal = json.loads(open(path).read()) if path else {}
-    return Runtime(s_token=profile.models["small"].per_token, l_token=profile.models["large"].per_token,
+    return Overheads(s_token=profile.models["small"].per_token, l_token=profile.models["large"].per_token,
                    s_overhead=cal.get("s_step_gap", 0.0), l_overhead=cal.get("l_step_gap", 0.0),
                    handoff=cal.get("handoff", 0.0))
 
@@ -157,24 +157,25 @@ def cmd_grid(args, path: str, prof_dict: dict) -> int:
     return 0
 
 
-def own_gaps_prediction(row: dict, n: int, p: float, alpha: float, lat_s, lat_l, runtime: Runtime) -> float:
+def own_gaps_prediction(row: dict, n: int, p: float, alpha: float, lat_s, lat_l, overheads: Overheads) -> float:
     """The prediction for one measured run with the per-step gaps measured in that run (the machine
     is shared, so the runtime's overhead drifts between runs); hand-off latency from the calibration."""
     c = row["costs"]
-    own = Runtime(s_token=runtime.s_token, l_token=runtime.l_token, s_overhead=c["s_step_gap"] or runtime.s_overhead,
-                  l_overhead=c["l_step_gap"] or runtime.l_overhead, handoff=runtime.handoff)
-    return float(throughput_curve(n, p, lat_s, lat_l, alpha, runtime=own)[row["b"] - 1])
+    own = Overheads(s_token=overheads.s_token, l_token=overheads.l_token,
+                    s_overhead=c["s_step_gap"] or overheads.s_overhead,
+                    l_overhead=c["l_step_gap"] or overheads.l_overhead, handoff=overheads.handoff)
+    return float(throughput_curve(n, p, lat_s, lat_l, alpha, overheads=own)[row["b"] - 1])
 
 
 def cmd_report(args, profile: LatencyProfile) -> int:
     """Prediction (with and without the runtime's costs) against the measured grid, as markdown."""
     rows = [json.loads(line) for line in open(args.report) if line.strip()]
-    runtime = load_runtime(profile, args.runtime)
+    overheads = load_overheads(profile, args.runtime)
     lat_s, lat_l = latencies(profile)
     cells: dict[tuple, list[dict]] = {}
     for r in rows:
         cells.setdefault((r["alpha"], r["p"], r["n"]), []).append(r)
-    print(f"runtime: {runtime}")
+    print(f"overheads: {overheads}")
     print("| placement | p | N | B measured | error range (B) | mean abs error | error, run's own gaps | "
           "old chain error | planner's B | measured best B | planner's B within 3% |")
     print("|---|---:|---:|---|---|---:|---|---|---:|---:|---|")
@@ -183,14 +184,14 @@ def cmd_report(args, profile: LatencyProfile) -> int:
         rs.sort(key=lambda r: r["b"])
         bs = [r["b"] for r in rs]
         meas = [r["steady_throughput"] for r in rs]
-        new = throughput_curve(n, p, lat_s, lat_l, alpha, runtime=runtime)
+        new = throughput_curve(n, p, lat_s, lat_l, alpha, overheads=overheads)
         old = throughput_curve(n, p, lat_s, lat_l, alpha)
         err = [(new[b - 1] - m) / m for b, m in zip(bs, meas)]
         err_old = [(old[b - 1] - m) / m for b, m in zip(bs, meas)]
-        own = [own_gaps_prediction(r, n, p, alpha, lat_s, lat_l, runtime) for r in rs]
+        own = [own_gaps_prediction(r, n, p, alpha, lat_s, lat_l, overheads) for r in rs]
         err_own = [(o - m) / m for o, m in zip(own, meas)]
         worst = max(worst, max(abs(e) for e in err))
-        planner_b = best_thresholds(n, p, lat_s, lat_l, alpha, runtime=runtime, min_gain=0.01)[n]
+        planner_b = best_thresholds(n, p, lat_s, lat_l, alpha, overheads=overheads, min_gain=0.01)[n]
         best_i = max(range(len(bs)), key=lambda i: meas[i])
         at_planner = meas[bs.index(planner_b)] if planner_b in bs else float("nan")
         within = at_planner >= 0.97 * meas[best_i]
@@ -205,7 +206,7 @@ def cmd_report(args, profile: LatencyProfile) -> int:
     print(f"\nlargest |error|: {100 * worst:.1f}%")
     if args.verbose:
         for (alpha, p, n), rs in sorted(cells.items()):
-            new = throughput_curve(n, p, lat_s, lat_l, alpha, runtime=runtime)
+            new = throughput_curve(n, p, lat_s, lat_l, alpha, overheads=overheads)
             print(f"alpha={alpha:g} p={p:g} N={n}: " + ", ".join(
                 f"{r['b']}: {new[r['b'] - 1]:.1f}/{r['steady_throughput']:.1f}" for r in rs))
     return 0
@@ -216,11 +217,11 @@ def cmd_ablation(args, path: str, profile: LatencyProfile, prof_dict: dict) -> i
     alpha = _floats(args.interference)[0] if args.interference else profile.interference.get("small", {}).get(
         "large", 0.0)
     lat_s, lat_l = latencies(profile)
-    runtime = load_runtime(profile, args.runtime)
+    overheads = load_overheads(profile, args.runtime)
     prompts = prompts_for(args.waves * n)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     bound = zero_wait_bound(n, p, lat_s, lat_l)
-    planner_b = best_thresholds(n, p, lat_s, lat_l, alpha, runtime=runtime, min_gain=0.01)[n]
+    planner_b = best_thresholds(n, p, lat_s, lat_l, alpha, overheads=overheads, min_gain=0.01)[n]
     rows = []
 
     def report(name: str, thr: float, steady: float | None, per_user: float) -> None:
@@ -231,7 +232,7 @@ def cmd_ablation(args, path: str, profile: LatencyProfile, prof_dict: dict) -> i
               flush=True)
 
     print(f"profile {args.profile}: N={n} p={p} alpha={alpha}; zero-wait bound {bound:.1f} tok/s; "
-          f"planner's B({n}) = {planner_b}; runtime {runtime}", flush=True)
+          f"planner's B({n}) = {planner_b}; overheads {overheads}", flush=True)
     sync = run_sync(path, profile, p, n, prompts, params)
     report("step-synchronous", sync.throughput, None, sum(sync.per_user) / len(sync.per_user))
     entry = Entry(group(path, prof_dict, p, {"policy": "eager"}, alpha))

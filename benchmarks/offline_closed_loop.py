@@ -32,7 +32,7 @@ def main() -> int:
     torch.set_num_threads(1)
     base = GroupConfig.from_yaml(args.config)
     prompts, _ = build_prompts("reasoning-low", "cpu", args.num_requests, 0)
-    ids = [load_tokenizer(base.models[0].path).encode(p) for p in prompts]
+    ids = [load_tokenizer(base.models[0].engine.model_path).encode(p) for p in prompts]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for b in args.large_threshold or [None]:
         d = base.to_dict()

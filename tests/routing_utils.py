@@ -13,9 +13,8 @@ from typing import Any
 
 import zmq
 
-from tokenrouter.engine.draws import uniform
 from tokenrouter.engine.req import Req
-from tokenrouter.routing.bernoulli import _STREAM
+from tokenrouter.routing.bernoulli import hands_off
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Abort, AddReq, Finished, Peer, Tokens, Topology, decode, encode
 from tokenrouter.runtime.subserver import Subserver
@@ -69,8 +68,7 @@ def untrained_routers(paths: dict[str, Path], root: Path, threshold: float = 0.5
 
 def handoff_draws(seed: int, first: int, count: int, p: float) -> list[bool]:
     """Whether the bernoulli router hands position first + i to the large model, for i < count."""
-    u = uniform([seed] * count, list(range(first, first + count)), _STREAM)
-    return (u < p).tolist()
+    return hands_off([seed] * count, list(range(first, first + count)), p).tolist()
 
 
 def find_seed(pattern: list[bool], first: int, p: float, limit: int = 20_000) -> int:

@@ -27,7 +27,7 @@ def group(pair_paths, port: int, **extra) -> dict:
     return {"name": "pair",
             "models": [{"name": "small", "path": str(pair_paths["small"]), "kv_cache_tokens": 2048, "page_size": 4},
                        {"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 2048, "page_size": 4,
-                        "launcher": "join"}],
+                        "start": "join"}],
             "algorithm": {"name": "bernoulli", "p": 0.5}, "transport": "tcp", "secret": SECRET,
             "entry_port": port, "join_timeout": 120, **extra}
 
@@ -71,7 +71,7 @@ def test_joined_model_is_token_exact(pair_paths, tmp_path):
     port = free_port()
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
     prompts = [[3, 4, 5], [9, 8, 7, 6, 5]]
-    local = {**group(pair_paths, 0), "models": [dict(m, launcher="spawn") for m in group(pair_paths, 0)["models"]]}
+    local = {**group(pair_paths, 0), "models": [dict(m, start="spawn") for m in group(pair_paths, 0)["models"]]}
     with RoutedLLM(local) as llm:
         want = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=60)
     proc = joiner("large", port, pair_paths["large"], tmp_path)

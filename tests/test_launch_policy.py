@@ -13,7 +13,7 @@ from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.scheduler import Scheduler, SchedulerConfig
 from tokenrouter.models.kv_pool import KVPool
-from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.sampling_params import SamplingParams
 
 
@@ -43,13 +43,15 @@ def test_deadlock_check():
 
 
 def test_group_config_validates_thresholds():
-    models = [ModelSpec(name="small", path="x"), ModelSpec(name="large", path="y")]
-    cfg = GroupConfig(models=models, launch={"policy": "threshold", "thresholds": {"large": {8: 5}}})
-    assert cfg.launch_thresholds()["large"](8) == 5
+    models = [{"name": "small", "path": "x"}, {"name": "large", "path": "y"}]
+    cfg = GroupConfig.from_dict({"models": models,
+                                 "launch": {"policy": "threshold", "thresholds": {"large": {8: 5}}}})
+    assert cfg.launch.thresholds["large"](8) == 5
     with pytest.raises(ValueError, match="deadlock"):
-        GroupConfig(models=models, launch={"policy": "threshold", "thresholds": {"small": 6, "large": 6}})
+        GroupConfig.from_dict({"models": models,
+                               "launch": {"policy": "threshold", "thresholds": {"small": 6, "large": 6}}})
     with pytest.raises(ValueError, match="unknown model"):
-        GroupConfig(models=models, launch={"policy": "threshold", "thresholds": {"huge": 2}})
+        GroupConfig.from_dict({"models": models, "launch": {"policy": "threshold", "thresholds": {"huge": 2}}})
 
 
 class _Model:

@@ -78,12 +78,14 @@ def test_clear_errors(pair_paths):
 
 def test_plan_only_where_asked(pair_paths):
     g = group(pair_paths)  # CPU, no memory_fraction: each engine sizes its own pool, as before
-    assert plan_placement(g, lambda d: GIB) == []
-    assert g.models[0].kv_cache_tokens is None
+    placed, lines = plan_placement(g, lambda d: GIB)
+    assert lines == []
+    assert placed.models[0].engine.kv_cache_tokens is None
     g = group(pair_paths, {"device": "cuda:0"}, {"device": "cuda:0"})  # shared GPU: planned at 0.9
-    lines = plan_placement(g, lambda d: 8 * GIB)
+    placed, lines = plan_placement(g, lambda d: 8 * GIB)
     assert lines[0].startswith("placement cuda:0: 0.9 x 8.00 GiB = 7.20 GiB for small, large;")
-    assert g.models[0].kv_cache_tokens == g.models[1].kv_cache_tokens > 0
+    assert placed.models[0].engine.kv_cache_tokens == placed.models[1].engine.kv_cache_tokens > 0
+    assert g.models[0].engine.kv_cache_tokens is None  # the plan is a new config; the given one stays as written
 
 
 def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
@@ -91,11 +93,12 @@ def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
     g = group(pair_paths, {"cores": [0], "threads": 1}, {"cores": [0], "threads": 2}, memory_fraction=0.02)
     with caplog.at_level(logging.INFO, logger="tokenrouter.runtime.entry"), RoutedLLM(g) as llm:
         info = llm.entry.info
+        planned = llm.entry.group
     # Each subserver process applied its own spec (issue 3 section 2): pinned to core 0, its torch threads.
     assert {n: (r.cpu_affinity, r.torch_threads) for n, r in info.items()} == {"small": ([0], 1), "large": ([0], 2)}
     text = caplog.text
     assert "placement cpu: 0.02 x 1.00 GiB = 0.02 GiB for small, large;" in text
-    tokens = {m.name: m.kv_cache_tokens for m in g.models}
+    tokens = {m.name: m.engine.kv_cache_tokens for m in planned.models}
     for name in ("small", "large"):
         assert f"  {name}: weights " in text and f"KV {tokens[name]} tokens ({tokens[name] // 4} pages of 4" in text
         assert info[name].capacity_tokens == tokens[name]  # the subservers built what was planned

@@ -1,4 +1,4 @@
-"""The delayed-batching throughput model (tokenrouter.planner, DESIGN.md section 4)."""
+"""The delayed-batching throughput model (tokenrouter.planner, docs/DESIGN.md section 5)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from tokenrouter.planner import (
 from tokenrouter.planner.cli import add_plan_parser, main, parse_n
 from tokenrouter.planner.sim import simulate
 
-# -- the figures DESIGN.md states: N = 8, p = 0.1, r = 4 ------------------------------------------
+# -- the figures docs/DESIGN.md section 5 states: N = 8, p = 0.1, r = 4 ------------------------------------------
 
 
 def test_design_separate_devices_eager_is_near_optimal():
@@ -68,7 +68,7 @@ def test_stationary_distribution_is_a_distribution(alpha, q_l):
 @pytest.mark.parametrize("q_l", [0.0, 0.3])
 @pytest.mark.parametrize("B", [1, 2, 5, 8])
 def test_embedded_chain_equals_the_full_qbc_chain(alpha, q_l, B):
-    """The fast embedded solve and DESIGN.md's (q, b, c) chain give the same throughput."""
+    """The fast embedded solve and the (q, b, c) chain of docs/DESIGN.md section 5 give the same throughput."""
     fc = full_chain(8, B, 0.15, 4, alpha, q_l=q_l)
     assert fc.throughput_per_step() == pytest.approx(throughput(8, B, 0.15, 1.0, 4.0, alpha, q_l=q_l), rel=1e-9)
 
@@ -145,7 +145,7 @@ def test_best_thresholds_table_shape():
 
 
 def test_large_solve_runs():
-    """N = 64, r = 20: every B through the embedded chain, and DESIGN.md's sparse chain at B = 1."""
+    """N = 64, r = 20: every B through the embedded chain, and the sparse chain of docs/DESIGN.md section 5 at B = 1."""
     curve = throughput_curve(64, 0.1, 1.0, 20.0, alpha=0.0)
     assert len(curve) == 64 and np.all(curve <= zero_wait_bound(64, 0.1, 1.0, 20.0))
     fc = full_chain(64, 1, 0.1, 20, 0.0)

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tokenrouter.planner import Runtime, best_thresholds, plan, throughput_curve, zero_wait_bound
+from tokenrouter.planner import Overheads, best_thresholds, plan, throughput_curve, zero_wait_bound
 from tokenrouter.planner.continuous import continuous_curve, solve_continuous
 from tokenrouter.planner.sim import simulate
 
@@ -38,7 +38,7 @@ def test_returns_wait_for_the_s_step_in_progress():
     assert one == pytest.approx(5.0 / (5.0 + 3.0))  # per cycle 5 S steps (4 tokens kept) + one L step
     # more: co-located, a return waits for the S step L froze; the aligned chain lets it rejoin at once
     aligned = throughput_curve(4, 0.2, 1.0, 3.0, 1.0)
-    cont = throughput_curve(4, 0.2, 1.0, 3.0, 1.0, runtime=Runtime())
+    cont = throughput_curve(4, 0.2, 1.0, 3.0, 1.0, overheads=Overheads())
     assert (cont < aligned).all()
 
 
@@ -61,27 +61,27 @@ def test_solutions_are_consistent(alpha):
 
 
 def test_runtime_latencies_add_catch_up_tokens_and_overheads():
-    rt = Runtime(s_token=1e-5, l_token=2e-4, s_overhead=8e-4, l_overhead=9e-4, handoff=1e-3)
+    rt = Overheads(s_token=1e-5, l_token=2e-4, s_overhead=8e-4, l_overhead=9e-4, handoff=1e-3)
     t_s, t_l = rt.step_latencies(LAT_S, LAT_L, 0.1)
     assert t_s(4) == pytest.approx(0.012 + 8e-4)  # one-token visits to L: S gets one token back
     assert t_l(4) == pytest.approx(0.026 + 0.0016 + 9e-4 + 2e-4 * 9 * 4)  # 9 = (1 - p) / p catch-up tokens
     t_s, _ = rt.step_latencies(LAT_S, LAT_L, 0.1, q_l=0.5)
     assert t_s(4) == pytest.approx(0.012 + 8e-4 + 1e-5 * 0.1 * 1.0 * 4)  # spans of 2: one extra token
     with pytest.raises(ValueError, match="handoff"):
-        Runtime(handoff=-1.0)
+        Overheads(handoff=-1.0)
 
 
 def test_planning_with_a_runtime():
-    rt = Runtime(l_token=2e-4, s_overhead=8e-4, l_overhead=9e-4, handoff=1e-3)
-    curve = throughput_curve(8, 0.1, LAT_S, LAT_L, 1.0, runtime=rt)
+    rt = Overheads(l_token=2e-4, s_overhead=8e-4, l_overhead=9e-4, handoff=1e-3)
+    curve = throughput_curve(8, 0.1, LAT_S, LAT_L, 1.0, overheads=rt)
     assert (curve < throughput_curve(8, 0.1, LAT_S, LAT_L, 1.0)).all()  # the runtime only costs time
-    table = best_thresholds(8, 0.1, LAT_S, LAT_L, 1.0, runtime=rt, min_gain=0.01)
+    table = best_thresholds(8, 0.1, LAT_S, LAT_L, 1.0, overheads=rt, min_gain=0.01)
     assert sorted(table) == list(range(1, 9)) and table[1] == 1
     assert curve[table[8] - 1] >= curve.max() / 1.01  # within the 1% it was allowed
-    row = plan([8], 0.1, LAT_S, LAT_L, 1.0, runtime=rt)[0]
+    row = plan([8], 0.1, LAT_S, LAT_L, 1.0, overheads=rt)[0]
     assert row.throughput == pytest.approx(list(curve)) and row.best_b == int(np.argmax(curve)) + 1
     with pytest.raises(ValueError, match="q_L = 0"):
-        throughput_curve(8, 0.1, LAT_S, LAT_L, 1.0, q_l=0.3, runtime=rt)
+        throughput_curve(8, 0.1, LAT_S, LAT_L, 1.0, q_l=0.3, overheads=rt)
 
 
 def test_bad_inputs():
@@ -99,7 +99,8 @@ def test_cli_runtime_options(capsys):
     assert main(["--n", "4", "--p", "0.1", "--lat-s", "0.012", "--lat-l", "0.026,0.0004", "--alpha", "1",
                  "--handoff", "0.001", "--overhead-s", "0.0007", "--token-l", "0.0002", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["runtime"]["handoff"] == 0.001 and out["runtime"]["l_overhead"] == 0.0
-    rt = Runtime(handoff=0.001, s_overhead=0.0007, l_token=0.0002)
-    assert out["rows"][0]["throughput"] == pytest.approx(list(throughput_curve(4, 0.1, LAT_S, LAT_L, 1.0, runtime=rt)))
+    assert out["overheads"]["handoff"] == 0.001 and out["overheads"]["l_overhead"] == 0.0
+    rt = Overheads(handoff=0.001, s_overhead=0.0007, l_token=0.0002)
+    expected = list(throughput_curve(4, 0.1, LAT_S, LAT_L, 1.0, overheads=rt))
+    assert out["rows"][0]["throughput"] == pytest.approx(expected)
     assert main(["--n", "4", "--p", "0.1", "--r", "4", "--continuous", "--method", "full"]) == 2

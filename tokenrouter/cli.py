@@ -185,6 +185,7 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
 
 def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
+    from tokenrouter.engine.config import EngineConfig
     from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
     from tokenrouter.training.default_model import default_model
     from tokenrouter.training.prepare import default_pair_config
@@ -208,14 +209,10 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     else:
         name = os.path.basename(os.path.normpath(path))
     kw = engine_kwargs(args)
-    spec = ModelSpec(
-        name=re.sub(r"[^A-Za-z0-9_-]", "-", args.served_model_name or name), path=path, dtype=kw["dtype"],
-        device=kw["device"] if kw["device"] != "auto" else "cpu",
-        threads=args.num_threads, page_size=args.page_size, max_running_requests=args.max_running_requests,
-        chunked_prefill_size=args.chunked_prefill_size, kv_cache_tokens=args.kv_cache_tokens,
-        mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
-        enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend,
-        tp_size=args.tp_size)
+    if kw["device"] == "auto":
+        kw["device"] = "cpu"  # a served model runs where it is told (as a group's models do)
+    spec = ModelSpec(name=re.sub(r"[^A-Za-z0-9_-]", "-", args.served_model_name or name),
+                     engine=EngineConfig(model_path=path, **kw))  # type: ignore[arg-type]
     group = GroupConfig(models=[spec], algorithm="single", name=args.served_model_name or name, seed=args.seed)
     return group, group.name
 

@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import json
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ def _http_run(url: str, model: str, prompts: list[str], caps: list[int], c: int,
 
 
 def _on_latency_executor(group: GroupConfig) -> bool:
-    return group.executor.get("mode") == "latency"
+    return group.executor.latency
 
 
 def _alone_config(group: GroupConfig, name: str, folder: str, page_size: int | None = None) -> str:
@@ -68,15 +68,15 @@ def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, 
     router = make_algorithm(group.algorithm, group.names, group.algorithm_params)
     if not isinstance(router, DeferToLarge):
         raise ValueError(f"step-sync runs one-token deferral algorithms, not {group.algorithm!r}")
-    profile = group.latency_profile() if _on_latency_executor(group) else None
+    profile = group.executor.profile if _on_latency_executor(group) else None
     engines = []
     for name in group.names:
         spec = group.spec(name)
         if profile is not None:  # the models never step at once here, so interference does not arise
-            runner = LatencyModelRunner.for_model(profile, name, spec.path)
-            engines.append(Engine(spec.engine_config(group.seed), latency_runner=runner))
+            runner = LatencyModelRunner.for_model(profile, name, spec.engine.model_path)
+            engines.append(Engine(replace(spec.engine, seed=group.seed), latency_runner=runner))
         else:
-            engines.append(Engine(spec.engine_config(group.seed), outputs=router.outputs(name)))
+            engines.append(Engine(replace(spec.engine, seed=group.seed), outputs=router.outputs(name)))
     for name, eng in zip(group.names, engines):
         router.bind(name, eng)
     ids = [engines[0].tokenize(p) for p in prompts]
@@ -96,7 +96,7 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
         raise ValueError("compare needs a group of two models (small first, large second)")
     prompts, cap = build_prompts(workload, scale, num_requests, seed)
     caps = output_lengths(max_tokens or cap, len(prompts), range_ratio, seed)
-    if _on_latency_executor(group) and any(group.latency_profile().interference.get(m, {}) for m in group.names):
+    if _on_latency_executor(group) and any(group.executor.profile.interference.get(m, {}) for m in group.names):
         print("  note: the profile's interference slows only the routed group's co-located subservers; the "
               "baselines' separate servers run without it, which favours them", flush=True)
     rows: list[dict[str, Any]] = []
@@ -137,8 +137,8 @@ def _standard(group: GroupConfig, rows: list[dict[str, Any]], tmp: str, prompts:
     # Page size 1: a one-token request then recomputes nothing its prefix cache holds (see standard.py).
     sources = {m.name: ["--config", _alone_config(group, m.name, tmp, page_size=1)] for m in group.models} \
         if _on_latency_executor(group) else {}
-    with StandardStack(small.path, large.path, _standard_p(group, rows), small_cores=small.cores,
-                       large_cores=large.cores, small_source=sources.get(small.name),
+    with StandardStack(small.engine.model_path, large.engine.model_path, _standard_p(group, rows),
+                       small_cores=small.cores, large_cores=large.cores, small_source=sources.get(small.name),
                        large_source=sources.get(large.name), server_args=[] if sources else ["--page-size", "1"]) \
             as stack:
         return [_http_run(stack.url, stack.model_name, prompts, caps, c, num_requests, seed) for c in concurrencies]
@@ -155,9 +155,10 @@ def _alone_or_routed(group: GroupConfig, config: str, system: str, tmp: str, pro
         if _on_latency_executor(group):
             args = ["--config", _alone_config(group, spec.name, tmp), "--served-model-name", system]
         else:
-            args = ["--model-path", spec.path, "--served-model-name", system, "--page-size", str(spec.page_size)]
-            if spec.kv_cache_tokens:
-                args += ["--kv-cache-tokens", str(spec.kv_cache_tokens)]
+            eng = spec.engine
+            args = ["--model-path", eng.model_path, "--served-model-name", system, "--page-size", str(eng.page_size)]
+            if eng.kv_cache_tokens:
+                args += ["--kv-cache-tokens", str(eng.kv_cache_tokens)]
     srv = ServerProcess(args + ["--log-level", "warning"], startup_timeout=600)
     try:
         return [_http_run(srv.url, model, prompts, caps, c, num_requests, seed) for c in concurrencies]

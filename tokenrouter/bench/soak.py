@@ -370,8 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     from tokenrouter.runtime.group_config import GroupConfig
 
     group = GroupConfig.from_yaml(args.config)
-    vocab = min(ModelConfig.from_folder(m.path).vocab_size for m in group.models)
-    ref = None if args.no_check else Reference({m.name: m.path for m in group.models})
+    vocab = min(ModelConfig.from_folder(m.engine.model_path).vocab_size for m in group.models)
+    ref = None if args.no_check else Reference({m.name: m.engine.model_path for m in group.models})
     srv = ServerProcess(["--config", args.config, "--log-level", "error"], startup_timeout=600)
     try:
         rep = asyncio.run(soak(srv.url, group.name, ref, srv.proc.pid, args.requests, args.concurrency,

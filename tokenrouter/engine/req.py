@@ -70,8 +70,5 @@ class Req:
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 
-    def num_cached_pages(self, page_size: int) -> int:
-        return self.cached_len // page_size
-
     def private_pages(self, page_size: int) -> list[int]:
         return self.pages[self.cached_len // page_size:]

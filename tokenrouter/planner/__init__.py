@@ -1,4 +1,4 @@
-"""`tokenrouter plan`: the delayed-batching throughput model (DESIGN.md section 4).
+"""`tokenrouter plan`: the delayed-batching throughput model (docs/DESIGN.md section 5).
 
 See `tokenrouter.planner.chain` for the model, exactly, and what it does not cover.
 """
@@ -18,10 +18,10 @@ from tokenrouter.planner.chain import (
     zero_wait_bound,
 )
 from tokenrouter.planner.latency import Constant, LatencyModel, Linear, Table, as_latency, parse_latency
-from tokenrouter.planner.overheads import Runtime
+from tokenrouter.planner.overheads import Overheads
 
 __all__ = [
     "best_thresholds", "throughput", "throughput_curve", "solve", "plan", "zero_wait_bound", "full_chain",
     "stationary_distribution", "gaps_to_p", "Solution", "PlanRow", "FullChain", "LatencyModel", "Constant",
-    "Linear", "Table", "as_latency", "parse_latency", "Runtime",
+    "Linear", "Table", "as_latency", "parse_latency", "Overheads",
 ]

@@ -1,4 +1,4 @@
-"""The delayed-batching throughput model of DESIGN.md section 4: a Markov chain, solved exactly.
+"""The delayed-batching throughput model of docs/DESIGN.md section 5: a Markov chain, solved exactly.
 
 The system
 ----------
@@ -18,7 +18,7 @@ prefill is not modelled.
 - An L step on a batch of b takes t_L(b) seconds and emits b tokens. Each of the b requests then
   goes back to S, or, with the span extension (R-Stitch: L keeps a request for a geometric number
   of tokens), stays at L with continuation probability q_L and rejoins L's queue. q_L = 0 is the
-  plain token-level model of DESIGN.md.
+  plain token-level model of docs/DESIGN.md section 5.
 - S steps on a batch of m take t_S(m) seconds. r(b) = t_L(b) / t_S(N - b) is the length of an L
   step counted in S steps of the batch S has when L launches.
 
@@ -26,7 +26,7 @@ Placement: the interference parameter alpha in [0, 1]. While L runs, S progresse
 during an L step of t_L(b) seconds, S completes k(b) = (1 - alpha) * t_L(b) / t_S(N - b) steps,
 deterministically (time dilation, not random stalls). alpha = 0: separate devices, S completes r(b)
 steps per L step. alpha = 1: serialised on one device, S makes no progress while L runs (the
-semi-Markov chain of DESIGN.md: an L launch takes t_L(b) during which S is frozen). In between it
+semi-Markov chain of docs/DESIGN.md section 5: an L launch takes t_L(b) during which S is frozen). In between it
 models MPS-style sharing where S steps take 1 / (1 - alpha) times longer while L runs. L's own
 latency t_L(b) is the one measured under that placement (L is not slowed further by S). A
 non-integer k(b) is rounded at random to floor or ceil with the probabilities that keep its mean
@@ -35,7 +35,7 @@ return).
 
 The chain
 ---------
-DESIGN.md states the chain at every S-step boundary with state (q, b, c): queued at L, size of L's
+docs/DESIGN.md section 5 states the chain at every S-step boundary with state (q, b, c): queued at L, size of L's
 batch in flight, S steps left until it returns. `full_chain` builds exactly that chain as a
 scipy.sparse matrix (constant t_S, integer r(b) and integer (1 - alpha) r(b)); it is the reference.
 `solve` and `throughput_curve` solve the same chain faster and more generally through its embedded
@@ -85,7 +85,7 @@ What the chain does not cover
   the runtime S is mid-step and they wait for its next one (about half an S step on separate
   devices, a whole one co-located), and it has no hand-off latency or runtime overhead. Measured
   on the latency-model executor this put its predictions 12-31 % high. `throughput_curve`, `plan`
-  and `best_thresholds` with a `runtime` (tokenrouter.planner.overheads) use the continuous-time
+  and `best_thresholds` with `overheads` (tokenrouter.planner.overheads) use the continuous-time
   chain of tokenrouter.planner.continuous instead, which models all of that.
 """
 
@@ -103,7 +103,7 @@ from scipy.stats import binom
 from tokenrouter.planner.continuous import continuous_curve
 from tokenrouter.planner.latency import LatencyLike, LatencyModel, as_latency
 from tokenrouter.planner.markov import binom_table, check_params, stationary_distribution
-from tokenrouter.planner.overheads import Runtime
+from tokenrouter.planner.overheads import Overheads
 
 __all__ = [
     "Solution", "PlanRow", "FullChain", "solve", "throughput", "throughput_curve", "best_thresholds",
@@ -257,29 +257,29 @@ def throughput(n: int, b: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike,
 
 
 def throughput_curve(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                     q_l: float = 0.0, runtime: Runtime | None = None) -> np.ndarray:
+                     q_l: float = 0.0, overheads: Overheads | None = None) -> np.ndarray:
     """Tokens per second for every threshold B = 1..n (element B - 1).
 
-    With a runtime, the continuous-time chain of tokenrouter.planner.continuous on the latencies the
+    With overheads, the continuous-time chain of tokenrouter.planner.continuous on the latencies the
     runtime sees (catch-up tokens and per-step overheads added, hand-off latency); without one, this
-    module's step-aligned chain (DESIGN.md section 4 as written).
+    module's step-aligned chain (docs/DESIGN.md section 5 as written).
     """
     check_params(n, p, alpha, q_l)
-    if runtime is not None:
-        return np.array([s.throughput for s in _runtime_solutions(n, p, lat_s, lat_l, alpha, q_l, runtime)])
+    if overheads is not None:
+        return np.array([s.throughput for s in _overhead_solutions(n, p, lat_s, lat_l, alpha, q_l, overheads)])
     emb = _build_embedded(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, q_l)
     return np.array([_solve_from(emb, B).throughput for B in range(1, n + 1)])
 
 
-def _runtime_solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, q_l: float,
-                       runtime: Runtime) -> list:
+def _overhead_solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, q_l: float,
+                       overheads: Overheads) -> list:
     # imported here: the continuous chain is built from this module's pieces (binomial tables, the
     # stationary solve), so this module cannot import it at load time
     if q_l > 0:
         raise ValueError("the continuous-time chain covers one-token visits to L only (q_L = 0); "
-                         "plan spans without a runtime, or with the simulator")
-    t_s, t_l = runtime.step_latencies(lat_s, lat_l, p, q_l)
-    return continuous_curve(int(n), p, t_s, t_l, alpha, handoff=runtime.handoff)
+                         "plan spans without overheads, or with the simulator")
+    t_s, t_l = overheads.step_latencies(lat_s, lat_l, p, q_l)
+    return continuous_curve(int(n), p, t_s, t_l, alpha, handoff=overheads.handoff)
 
 
 def _pick(curve: np.ndarray, min_gain: float) -> int:
@@ -289,7 +289,7 @@ def _pick(curve: np.ndarray, min_gain: float) -> int:
 
 
 def best_thresholds(n_max: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                    q_l: float = 0.0, min_gain: float = 0.0, runtime: Runtime | None = None) -> dict[int, int]:
+                    q_l: float = 0.0, min_gain: float = 0.0, overheads: Overheads | None = None) -> dict[int, int]:
     """The launch threshold B for L that maximises throughput, for every concurrency N = 1..n_max.
 
     Returns {N: B}. With min_gain > 0 the smallest B whose throughput is within a factor
@@ -298,7 +298,7 @@ def best_thresholds(n_max: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike
     if not (isinstance(n_max, (int, np.integer)) and n_max >= 1):
         raise ValueError(f"n_max must be an integer >= 1, got {n_max!r}")
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
-    return {n: _pick(throughput_curve(n, p, lat_s, lat_l, alpha, q_l=q_l, runtime=runtime), min_gain)
+    return {n: _pick(throughput_curve(n, p, lat_s, lat_l, alpha, q_l=q_l, overheads=overheads), min_gain)
             for n in range(1, n_max + 1)}
 
 
@@ -358,16 +358,16 @@ class PlanRow:
 
 
 def plan(n_values: Sequence[int], p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-         q_l: float = 0.0, min_gain: float = 0.0, runtime: Runtime | None = None) -> list[PlanRow]:
-    """Throughput for every B = 1..N and the best B, for each N in n_values (with a runtime: the
+         q_l: float = 0.0, min_gain: float = 0.0, overheads: Overheads | None = None) -> list[PlanRow]:
+    """Throughput for every B = 1..N and the best B, for each N in n_values (with overheads: the
     continuous-time chain, see throughput_curve)."""
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
     rows = []
     for n in n_values:
         check_params(n, p, alpha, q_l)
         t0 = time.perf_counter()
-        if runtime is not None:
-            sols = _runtime_solutions(n, p, lat_s, lat_l, alpha, q_l, runtime)
+        if overheads is not None:
+            sols = _overhead_solutions(n, p, lat_s, lat_l, alpha, q_l, overheads)
         else:
             emb = _build_embedded(int(n), p, lat_s, lat_l, alpha, q_l)
             sols = [_solve_from(emb, B) for B in range(1, n + 1)]
@@ -384,7 +384,7 @@ def plan(n_values: Sequence[int], p: float, lat_s: LatencyLike, lat_l: LatencyLi
 
 
 # ---------------------------------------------------------------------------------------------------
-# the full (q, b, c) chain of DESIGN.md, as a scipy.sparse matrix (reference)
+# the full (q, b, c) chain of docs/DESIGN.md section 5, as a scipy.sparse matrix (reference)
 
 
 @dataclass

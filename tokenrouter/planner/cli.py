@@ -13,7 +13,7 @@ import time
 
 from tokenrouter.planner.chain import full_chain, gaps_to_p, plan
 from tokenrouter.planner.latency import Constant, parse_latency
-from tokenrouter.planner.overheads import Runtime
+from tokenrouter.planner.overheads import Overheads
 
 __all__ = ["add_plan_parser", "add_plan_args", "cmd_plan", "main", "parse_n", "placement"]
 
@@ -87,7 +87,8 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
                      help="S step seconds vs batch b: SECONDS, A,C (A + C*b), B1:S1,B2:S2,... (measured, "
                           "interpolated) or @file.json")
     lat.add_argument("--lat-l", default=None, help="L step seconds vs batch b, as --lat-s")
-    rt = p.add_argument_group("runtime (any of these: the continuous-time chain, tokenrouter.planner.continuous)")
+    rt = p.add_argument_group("the runtime's overheads (any of these: the continuous-time chain, "
+                              "tokenrouter.planner.continuous)")
     rt.add_argument("--continuous", action="store_true",
                     help="S and L steps not aligned: returns wait for S's step in progress (implied by the below)")
     rt.add_argument("--handoff", type=float, default=None, help="seconds from an S step's end to the idle L's launch")
@@ -145,19 +146,19 @@ def _full_check(row, lat_s, lat_l) -> list[float]:
     return out
 
 
-def _runtime(args) -> Runtime | None:
+def _overheads(args) -> Overheads | None:
     vals = {"handoff": args.handoff, "s_overhead": args.overhead_s, "l_overhead": args.overhead_l,
             "l_token": args.token_l, "s_token": args.token_s}
     if not args.continuous and all(v is None for v in vals.values()):
         return None
-    return Runtime(**{k: v for k, v in vals.items() if v is not None})
+    return Overheads(**{k: v for k, v in vals.items() if v is not None})
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     ns = parse_n(args.n)
     lat_s, lat_l, unit = _latencies(args)
-    runtime = _runtime(args)
-    if runtime is not None and args.method == "full":
+    overheads = _overheads(args)
+    if overheads is not None and args.method == "full":
         raise ValueError("--method full checks the aligned chain; leave out the runtime options")
     alphas = _floats(args.alpha, "--alpha")
     gaps = None
@@ -171,7 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     rows = []
     for p in ps:
         for alpha in alphas:
-            for row in plan(ns, p, lat_s, lat_l, alpha, q_l=args.q_l, min_gain=args.min_gain, runtime=runtime):
+            for row in plan(ns, p, lat_s, lat_l, alpha, q_l=args.q_l, min_gain=args.min_gain, overheads=overheads):
                 extra: dict = {}
                 if args.method == "full":
                     t0 = time.perf_counter()
@@ -180,9 +181,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 if args.simulate:
                     from tokenrouter.planner.sim import simulate
 
-                    sim_s, sim_l = runtime.step_latencies(lat_s, lat_l, p, args.q_l) if runtime else (lat_s, lat_l)
+                    sim_s, sim_l = overheads.step_latencies(lat_s, lat_l, p, args.q_l) if overheads else (lat_s, lat_l)
                     sims = [simulate(row.n, B, sim_s, sim_l, alpha, p=None if gaps else p, gaps=gaps, q_l=args.q_l,
-                                     handoff=runtime.handoff if runtime else 0.0, s_steps=args.sim_steps,
+                                     handoff=overheads.handoff if overheads else 0.0, s_steps=args.sim_steps,
                                      seed=args.seed) for B in range(1, row.n + 1)]
                     extra["sim_throughput"] = [s.throughput for s in sims]
                     extra["sim_stderr"] = [s.stderr for s in sims]
@@ -190,9 +191,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 rows.append((row, extra))
     if args.json:
         out = {
-            "model": "tokenrouter.planner: DESIGN.md section 4 chain (see tokenrouter/planner/chain.py)",
+            "model": "tokenrouter.planner: the chain of docs/DESIGN.md section 5 (see tokenrouter/planner/chain.py)",
             "unit": unit, "lat_s": lat_s.to_json(), "lat_l": lat_l.to_json(), "q_l": args.q_l,
-            "runtime": runtime.__dict__ if runtime else None,
+            "overheads": overheads.__dict__ if overheads else None,
             "gaps": gaps, "min_gain": args.min_gain,
             "rows": [dict(row.to_json(), placement=placement(row.alpha), **extra) for row, extra in rows],
             "best_b": {f"p={row.p:g},alpha={row.alpha:g}": {} for row, _ in rows},
@@ -206,7 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _print_tables(rows, lat_s, lat_l, unit, args, gaps) -> None:
-    print("tokenrouter plan: delayed-batching throughput model (DESIGN.md section 4)")
+    print("tokenrouter plan: delayed-batching throughput model (docs/DESIGN.md section 5)")
     print(f"S step: {lat_s.describe()}; L step: {lat_l.describe()}; throughput in {unit}"
           + (f"; spans on L: q_L = {args.q_l:g}" if args.q_l else ""))
     if gaps is not None:

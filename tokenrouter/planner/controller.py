@@ -14,7 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from tokenrouter.planner.chain import best_thresholds
-from tokenrouter.planner.overheads import Runtime
+from tokenrouter.planner.overheads import Overheads
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,9 @@ Latency = Callable[[int], float]
 class PlannerController:
     def __init__(self, small: str, large: str, lat_s: Latency, lat_l: Latency, alpha: float, n_max: int,
                  p0: float = 0.1, min_tokens: int = 500, min_interval: float = 5.0, tolerance: float = 0.2,
-                 runtime: Runtime | None = None) -> None:
+                 overheads: Overheads | None = None) -> None:
         self.small, self.large = small, large
-        self.runtime = runtime  # given: plan with the continuous-time chain (spans then fall back to none)
+        self.overheads = overheads  # given: plan with the continuous-time chain (spans then fall back to none)
         self.lat_s, self.lat_l = lat_s, lat_l
         self.alpha, self.n_max = alpha, n_max
         self.min_tokens, self.min_interval, self.tolerance = min_tokens, min_interval, tolerance
@@ -40,9 +40,9 @@ class PlannerController:
 
     def _solve(self, p: float, q_l: float) -> dict[int, int]:
         p = min(max(p, 1e-4), 1.0)
-        q_l = min(q_l, 0.99) if self.runtime is None else 0.0  # the continuous chain has one-token visits
+        q_l = min(q_l, 0.99) if self.overheads is None else 0.0  # the continuous chain has one-token visits
         table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, q_l=q_l, min_gain=0.01,
-                                runtime=self.runtime)
+                                overheads=self.overheads)
         logger.info("planner: p=%.3f q_l=%.3f alpha=%.2f -> B(n) %s", p, q_l, self.alpha, table)
         return table
 

@@ -25,7 +25,7 @@ from tokenrouter.planner.latency import Function, LatencyLike, LatencyModel, as_
 
 
 @dataclass(frozen=True)
-class Runtime:
+class Overheads:
     s_token: float = 0.0  # seconds per token beyond one per request, S (the profile's per_token)
     l_token: float = 0.0  # the same for L
     s_overhead: float = 0.0  # seconds per S step added by the runtime

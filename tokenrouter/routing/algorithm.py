@@ -32,8 +32,8 @@ class RoutingAlgorithm(ABC):
     """A token-level routing algorithm over a named group of models.
 
     The runtime calls, on the model that just ran a step:
-      route(model, step) once per step for the whole batch (vectorise: one matrix product for an MLP
-        router, not a Python loop) -> one Route per sampled request;
+      route(model, step) once per step that sampled a request, for the whole batch (vectorise: one
+        matrix product for an MLP router, not a Python loop) -> one Route per sampled request;
       send(req, dest, known) for each request routed away -> the PeerReq for dest, where `known` is
         how many of req's tokens dest already holds (0 on a first visit);
     and on the destination:

@@ -17,6 +17,12 @@ from tokenrouter.routing.deferral import DeferToLarge
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 
 
+def hands_off(seeds: list[int], positions: list[int], p: float) -> torch.Tensor:
+    """Which positions the second model writes: a pure function of (request seed, position), so the
+    standard-serving baseline and the tests make the same draws as the router."""
+    return uniform(seeds, positions, _STREAM) < p
+
+
 class Bernoulli(DeferToLarge):
     name = "bernoulli"
 
@@ -28,5 +34,4 @@ class Bernoulli(DeferToLarge):
 
     def defer(self, step: StepOutput) -> torch.Tensor:
         # The draw is for the position about to be written: len(tokens) before the token is committed.
-        u = uniform([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], _STREAM)
-        return u < self.p
+        return hands_off([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], self.p)

@@ -33,8 +33,6 @@ class DeferToLarge(RoutingAlgorithm):
     def route(self, model: str, step: StepOutput) -> list[Route]:
         if model == self.large:
             return [Route(self.small, keep=True)] * len(step.reqs)
-        if not step.reqs:
-            return []
         go = Route(self.large, keep=False)
         return [go if d else STAY for d in self.defer(step).tolist()]
 

@@ -39,8 +39,6 @@ class Ensemble(RoutingAlgorithm):
         return torch.searchsorted(self._cum, u, right=True).clamp_(max=len(self.models) - 1).tolist()
 
     def route(self, model: str, step: StepOutput) -> list[Route]:
-        if not step.reqs:
-            return []
         me = self.models.index(model)
         seeds = [r.seed for r in step.reqs]
         pos = [len(r.tokens) for r in step.reqs]  # the position this step's token would take

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 
@@ -12,11 +10,10 @@ class PeerReq(msgspec.Struct, kw_only=True):
 
     The receiver truncates its copy of request `rid` to `loc` (the absolute position, in prompt +
     output, where `suffix` starts), appends `suffix`, and runs it. `finished` tells a peer that the
-    request is over so it frees its KV. `extra` carries whatever else the algorithm needs.
+    request is over so it frees its KV.
     """
 
     rid: str
     suffix: list[int]
     loc: int
     finished: bool = False
-    extra: dict[str, Any] = msgspec.field(default_factory=dict)

@@ -41,8 +41,6 @@ class RStitch(RoutingAlgorithm):
         return step.entropy / self.log_vocab[model]
 
     def route(self, model: str, step: StepOutput) -> list[Route]:
-        if not step.reqs:
-            return []
         h = self.normalised_entropy(model, step)
         if model == self.small:
             up = Route(self.large, keep=False)

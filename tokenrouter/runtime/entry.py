@@ -156,7 +156,7 @@ class Entry:
         atexit.register(self.close)
         try:
             # Before the subservers: joiners are checked against the entry model's vocabulary.
-            self.tokenizer = load_tokenizer(group.spec(self.algorithm.entry_model).path)
+            self.tokenizer = load_tokenizer(group.spec(self.algorithm.entry_model).engine.model_path)
             self.vocab_hash = vocab_hash(self.tokenizer)
             self._start()
             self._check_one_vocabulary()
@@ -171,7 +171,7 @@ class Entry:
         """With launch policy "planner": plan the large model's B(n) from step latencies (a profile,
         or the subservers' start-up measurements) and the routing probability seen online."""
         launch = self.group.launch
-        if launch.get("policy") != "planner":
+        if launch.policy != "planner":
             return None
         small, large = self.group.names
         prof = self.group.planner_profile()
@@ -183,9 +183,9 @@ class Entry:
                 lat[name] = StepLatency.from_dict(self.info[name].latency)
             else:
                 raise ValueError(f"no step latency for {name!r}: give the planner a profile")
-        n_max = int(launch.get("n_max", min(64, self.group.spec(small).max_running_requests)))
+        n_max = launch.n_max or min(64, self.group.spec(small).engine.max_running_requests)
         ctl = PlannerController(small, large, lambda b: lat[small](b, b), lambda b: lat[large](b, b),
-                                float(launch.get("alpha", 0.0)), n_max, p0=float(launch.get("p", 0.1)))
+                                launch.alpha, n_max, p0=launch.p)
         self._send(large, SetThresholds(ctl.table))
         return ctl
 
@@ -201,26 +201,28 @@ class Entry:
     # ---- processes -------------------------------------------------------------------------
     def _start(self) -> None:
         spawn = mp.get_context("spawn")
-        for line in plan_placement(self.group):  # fixes co-located models' KV budgets before they start
+        # Fixes co-located models' KV budgets before they start: the group with those, and what to log.
+        self.group, lines = plan_placement(self.group)
+        for line in lines:
             logger.info("%s", line)
         group_dict = self.group.to_dict()
-        if self.group.executor.get("mode") == "latency":
+        flags = None
+        if self.group.executor.latency:
             self._flags = create_flags()  # co-located models' running flags, for interference
-            group_dict["executor"] = {**group_dict["executor"], "flags": self._flags.name,
-                                      "profile": self.group.latency_profile().to_dict()}
+            flags = self._flags.name
         for spec in self.group.models:
-            if spec.launcher == "spawn":
+            if spec.start == "spawn":
                 proc = spawn.Process(
                     target=subserver_main, name=f"tokenrouter-{spec.name}",
-                    args=(dataclasses.asdict(spec), group_dict, self.bind_addresses[spec.name], self.entry_address,
-                          os.getpid()))
+                    args=(spec.name, group_dict, self.bind_addresses[spec.name], self.entry_address, os.getpid(),
+                          flags))
                 proc.start()
                 self.procs[spec.name] = proc
-            elif spec.launcher == "ray":
+            elif spec.start == "ray":
                 from tokenrouter.runtime.remote.ray_actor import RaySubserver
 
                 self.remote[spec.name] = RaySubserver(spec, group_dict, self.entry_address, self.group.ray)
-        joining = [m.name for m in self.group.models if m.launcher == "join"]
+        joining = [m.name for m in self.group.models if m.start == "join"]
         if joining:
             self.joins = JoinDesk(self.group, self.ctx, self.keys, self.vocab_hash)
             logger.info("waiting up to %.0f s for %s to join: on its host run `tokenrouter subserver --join %s "
@@ -242,7 +244,7 @@ class Entry:
         for name, r in self.info.items():
             spec = self.group.spec(name)
             logger.info("model %r (%s, %s): KV pool %d tokens in %d pages of %d, context %d, inbox %s", name,
-                        spec.launcher, spec.device, r.capacity_tokens, r.capacity_tokens // r.page_size,
+                        spec.start, spec.engine.device, r.capacity_tokens, r.capacity_tokens // r.page_size,
                         r.page_size, r.max_model_len, r.address)
 
     def _check_startup(self, started: float) -> None:
@@ -259,7 +261,7 @@ class Entry:
                 "group's secret")
 
     def _started_at(self, name: str, started: float) -> float:
-        if self.group.spec(name).launcher != "join":
+        if self.group.spec(name).start != "join":
             return started
         assert self.joins is not None
         return self.joins.joined[name][0] if name in self.joins.joined else math.inf
@@ -267,9 +269,9 @@ class Entry:
     def _ready(self, msg: Ready) -> None:
         """Connect to a subserver that has loaded its model. A joined one is accepted only after its Join
         passed the checks, and is watched through this connection (it is not our child)."""
-        launcher = self.group.spec(msg.model).launcher if msg.model in self.group.names else None
-        if launcher is None or msg.model in self.info or (
-                launcher == "join" and (self.joins is None or msg.model not in self.joins.joined)):
+        start = self.group.spec(msg.model).start if msg.model in self.group.names else None
+        if start is None or msg.model in self.info or (
+                start == "join" and (self.joins is None or msg.model not in self.joins.joined)):
             logger.warning("entry: ignored an unexpected Ready from %r at %s", msg.model, msg.address)
             return
         self.info[msg.model] = msg
@@ -277,7 +279,7 @@ class Entry:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.LINGER, 500)
         secure_client(sock, self.keys)
-        if launcher == "join":
+        if start == "join":
             self.remote[msg.model] = JoinedSubserver(msg.model, msg.address, ConnectionWatch(sock))
         sock.connect(msg.address)
         self.outbox[msg.model] = sock

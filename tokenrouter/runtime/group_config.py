@@ -1,9 +1,17 @@
-"""A routed group: the models (with placement) and the algorithm that routes between them."""
+"""A routed group: the models (with placement) and the algorithm that routes between them.
+
+One config system: GroupConfig.from_dict reads the YAML shape once, checks every field and names the
+YAML field in its errors (`models[1].kv_share`, `launch.alpha`); from then on every section is a typed,
+frozen dataclass. to_dict gives the same shape back, which is how the entry hands the group to
+subservers in other processes and on other hosts.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,74 +21,219 @@ from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.launch_policy import Thresholds, check_deadlock_free
 from tokenrouter.runtime.transport_security import CurveKeys, keys_from_secret
 
-LAUNCHERS = ("spawn", "join", "ray")
+logger = logging.getLogger(__name__)
+
+STARTS = ("spawn", "join", "ray")  # who starts a model's subserver process
+LAUNCH_POLICIES = ("eager", "threshold", "planner")
+EXECUTOR_MODES = ("model", "latency")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 ROUTER_ALGORITHMS = ("citer", "r2r", "co_llm")  # the algorithms that need a trained router folder
 
+# A model's YAML entry is flat: ModelSpec's own fields next to its engine's (EngineConfig). Two engine
+# fields have shorter names there; the seed comes from the group's.
+_ENGINE_KEY = {"path": "model_path", "threads": "num_threads"}  # YAML key -> EngineConfig field
+_YAML_KEY = {v: k for k, v in _ENGINE_KEY.items()}
+_NOT_IN_YAML = {"seed", "load_tokenizer"}
+# A group places every model explicitly, so an unplaced one runs on the CPU with one torch thread (a
+# single EngineConfig leaves both to torch).
+_MODEL_DEFAULTS = {"device": "cpu", "num_threads": 1}
 
-@dataclass
+
+def _engine_yaml_keys() -> set[str]:
+    return {_YAML_KEY.get(f.name, f.name) for f in dataclasses.fields(EngineConfig)} - _NOT_IN_YAML
+
+
+def _unknown(where: str, given: Mapping[str, Any], known: set[str]) -> None:
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {', '.join(map(str, unknown))}; known: {', '.join(sorted(known))}")
+
+
+def _number(where: str, value: Any, kind: type = float) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+        raise ValueError(f"{where} must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return kind(value)
+
+
+def _profile(where: str, value: Any) -> LatencyProfile | None:
+    """A latency profile given as a path or inline."""
+    if value is None or isinstance(value, LatencyProfile):
+        return value
+    try:
+        return LatencyProfile.from_dict(value) if isinstance(value, dict) else LatencyProfile.load(value)
+    except (ValueError, OSError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """When each model's scheduler launches a step (engine/launch_policy.py). `eager`: as soon as it has
+    work; `threshold`: once B(n) of its requests are ready, n the group's live requests; `planner`: the
+    entry plans the large model's B(n) from step latencies and the routing probability it measures."""
+
+    policy: str = "eager"
+    thresholds: Mapping[str, Thresholds] = field(default_factory=dict)  # threshold: {model: B(n)}; others eager
+    alpha: float = 0.0  # planner: interference between the two models' steps, in [0, 1]
+    p: float = 0.1  # planner: the routing probability planned for until one is measured
+    n_max: int | None = None  # planner: plan B(n) up to this n (default: min(64, small's max_running_requests))
+    profile: LatencyProfile | None = None  # planner: step latencies (default: the latency executor's, else measured)
+
+    def __post_init__(self) -> None:
+        if self.policy not in LAUNCH_POLICIES:
+            raise ValueError(f"launch.policy must be one of {', '.join(LAUNCH_POLICIES)}, got {self.policy!r}")
+        if self.thresholds and self.policy != "threshold":
+            raise ValueError(f"launch.thresholds apply with policy: threshold, not {self.policy!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"launch.alpha (interference) must be in [0, 1], got {self.alpha}")
+        if not 0.0 < self.p <= 1.0:
+            raise ValueError(f"launch.p must be in (0, 1], got {self.p}")
+        if self.n_max is not None and self.n_max < 1:
+            raise ValueError(f"launch.n_max must be >= 1, got {self.n_max}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LaunchConfig:
+        _unknown("launch", d, {f.name for f in dataclasses.fields(cls)})
+        thresholds = {}
+        for model, table in (d.get("thresholds") or {}).items():
+            try:
+                thresholds[model] = Thresholds(table)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ValueError(f"launch.thresholds.{model}: {e}") from None
+        return cls(
+            policy=d.get("policy", "eager"), thresholds=thresholds,
+            alpha=_number("launch.alpha", d.get("alpha", 0.0)), p=_number("launch.p", d.get("p", 0.1)),
+            n_max=None if d.get("n_max") is None else _number("launch.n_max", d["n_max"], int),
+            profile=_profile("launch.profile", d.get("profile")))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"policy": self.policy, "alpha": self.alpha, "p": self.p}
+        if self.thresholds:
+            d["thresholds"] = {m: t.as_dict() for m, t in self.thresholds.items()}
+        if self.n_max is not None:
+            d["n_max"] = self.n_max
+        if self.profile is not None:
+            d["profile"] = self.profile.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """`model` runs the models; `latency` is the latency-model executor: each step waits the profile's
+    latency (model folders then give only config and tokenizer, no weights)."""
+
+    mode: str = "model"
+    profile: LatencyProfile | None = None  # latency: a path or an inline dict in the YAML
+
+    def __post_init__(self) -> None:
+        if self.mode not in EXECUTOR_MODES:
+            raise ValueError(f"executor.mode must be one of {', '.join(EXECUTOR_MODES)}, got {self.mode!r}")
+        if self.mode == "latency" and self.profile is None:
+            raise ValueError("executor.profile: the latency executor needs a profile (a path or an inline dict)")
+        if self.mode != "latency" and self.profile is not None:
+            raise ValueError(f"executor.profile applies with mode: latency, not {self.mode!r}")
+
+    @property
+    def latency(self) -> bool:
+        return self.mode == "latency"
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ExecutorConfig:
+        _unknown("executor", d, {f.name for f in dataclasses.fields(cls)})
+        return cls(mode=d.get("mode", "model"), profile=_profile("executor.profile", d.get("profile")))
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"mode": self.mode}
+        if self.profile is not None:
+            d["profile"] = self.profile.to_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """The Ray cluster that `start: ray` models run on."""
+
+    address: str = "auto"  # "auto" (the local node's cluster) or HOST:PORT
+    namespace: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not self.address:
+            raise ValueError(f"ray.address must be 'auto' or HOST:PORT, got {self.address!r}")
+        if self.namespace is not None and not isinstance(self.namespace, str):
+            raise ValueError(f"ray.namespace must be a string, got {self.namespace!r}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RayConfig:
+        _unknown("ray", d, {f.name for f in dataclasses.fields(cls)})
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
 class ModelSpec:
-    """One model of the group and where its subserver runs."""
+    """One model of the group: its engine, and where and how its subserver runs."""
 
     name: str
-    path: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    threads: int = 1  # torch threads in the subserver
+    engine: EngineConfig
     cores: list[int] | None = None  # pin the subserver to these CPU cores
-    page_size: int = 16
-    max_running_requests: int = 64
-    chunked_prefill_size: int = 2048
-    kv_cache_tokens: int | None = None
-    mem_fraction: float | None = None
-    max_model_len: int | None = None
-    enable_prefix_cache: bool = True
-    attention_backend: str = "torch"
     host: str = "127.0.0.1"  # interface the subserver listens on with the tcp transport
     port: int = 0  # its inbox port with the tcp transport (0: any free port), for firewalls
     # Who starts the subserver: "spawn" (a child of the entry), "join" (started by hand on its host with
     # `tokenrouter subserver --join`), or "ray" (a Ray actor on the cluster of the group's `ray` section).
-    launcher: str = "spawn"
+    start: str = "spawn"
     # Co-location: this model's fraction of its device's KV memory; models without one split the rest so
     # that they hold equal tokens (admission reserves the same tokens on every model a request visits).
     kv_share: float | None = None
-    # Tensor parallelism: the subserver is rank 0 and spawns tp_size - 1 worker processes (each with
-    # `threads` torch threads; on CUDA rank r uses the GPU r places after `device`).
-    tp_size: int = 1
 
-    def engine_config(self, seed: int) -> EngineConfig:
-        return EngineConfig(
-            model_path=self.path, dtype=self.dtype, device=self.device, page_size=self.page_size,
-            max_running_requests=self.max_running_requests, chunked_prefill_size=self.chunked_prefill_size,
-            kv_cache_tokens=self.kv_cache_tokens, mem_fraction=self.mem_fraction,
-            max_model_len=self.max_model_len, enable_prefix_cache=self.enable_prefix_cache,
-            attention_backend=self.attention_backend, seed=seed, num_threads=self.threads, tp_size=self.tp_size,
-        )
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], seed: int, where: str) -> ModelSpec:
+        """A model's flat YAML entry (`where` names it in errors, e.g. models[1])."""
+        d = dict(d)
+        if "launcher" in d:  # its old name; "launch" is the launch policy
+            if "start" in d:
+                raise ValueError(f"{where}: give start (launcher is its old name), not both")
+            logger.warning("%s: `launcher` is deprecated, write `start: %s`", where, d["launcher"])
+            d["start"] = d.pop("launcher")
+        own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+        _unknown(where, d, own | _engine_yaml_keys())
+        if "name" not in d or "path" not in d:
+            raise ValueError(f"{where}: a model needs a name and a path")
+        engine = {**_MODEL_DEFAULTS, **{_ENGINE_KEY.get(k, k): v for k, v in d.items() if k not in own}}
+        try:
+            config = EngineConfig(**engine, seed=seed)
+        except ValueError as e:  # EngineConfig's messages start with the field they are about
+            first, _, rest = str(e).partition(" ")
+            raise ValueError(f"{where}.{_YAML_KEY.get(first, first)} {rest}" if first in engine
+                             else f"{where}: {e}") from None
+        return cls(engine=config, **{k: v for k, v in d.items() if k in own})
+
+    def to_dict(self) -> dict[str, Any]:
+        engine = {_YAML_KEY.get(k, k): v for k, v in dataclasses.asdict(self.engine).items() if k not in _NOT_IN_YAML}
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "engine"}
+        return {"name": own.pop("name"), **engine, **own}
 
 
-@dataclass
+@dataclass(frozen=True)
 class GroupConfig:
     models: list[ModelSpec]
     algorithm: str = "single"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     name: str = "tokenrouter"  # the model name the server answers to
-    seed: int = 0
+    seed: int = 0  # model i's engine seeds requests that bring none from seed + i
     transport: str = "ipc"  # "ipc" (one machine) or "tcp"
     # tcp only: every process derives CURVE keys from this secret (or $TOKENROUTER_SECRET); required
     # with tcp on every interface, loopback included (any local user could reach a loopback port).
     secret: str | None = None
-    # Delayed batching: {"policy": "eager"} or {"policy": "threshold", "thresholds": {model: B or {n: B}}}
-    launch: dict[str, Any] = field(default_factory=lambda: {"policy": "eager"})
-    # {"mode": "model"} runs the models; {"mode": "latency", "profile": path or dict} is the
-    # latency-model executor (model folders then give only config and tokenizer, no weights).
-    executor: dict[str, Any] = field(default_factory=lambda: {"mode": "model"})
+    launch: LaunchConfig = field(default_factory=LaunchConfig)  # delayed batching
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
     startup_timeout: float = 300.0  # seconds to wait for every subserver to load its model
     # Where the entry's inbox listens with the tcp transport; joiners and Ray actors connect here, so
     # with either give an address they can reach (and a fixed port for `--join`).
     entry_host: str = "127.0.0.1"
     entry_port: int = 0
     join_timeout: float = 600.0  # seconds to wait for every "join" model to join
-    ray: dict[str, Any] = field(default_factory=dict)  # {"address": "auto" | "HOST:PORT", "namespace": ...}
+    ray: RayConfig = field(default_factory=RayConfig)
     # Share of each device's memory (host memory on CPU) that the models placed on it may use for
     # weights and KV together; the entry splits it between their KV pools (placement.py). None: each
     # engine sizes its own pool, except that co-located CUDA models are planned with 0.9.
@@ -91,11 +244,11 @@ class GroupConfig:
 
     def __post_init__(self) -> None:
         if not self.models:
-            raise ValueError("a group needs at least one model")
+            raise ValueError("models: a group needs at least one model")
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {self.transport!r}")
         if self.secret is None:
-            self.secret = os.environ.get("TOKENROUTER_SECRET") or None
+            object.__setattr__(self, "secret", os.environ.get("TOKENROUTER_SECRET") or None)
         if self.transport == "tcp" and not self.secret:
             hosts = ", ".join(dict.fromkeys([self.entry_host, *(m.host for m in self.models)]))
             raise ValueError(f"transport: tcp needs a shared secret (secret: in the config, or $TOKENROUTER_SECRET; "
@@ -103,13 +256,9 @@ class GroupConfig:
                              "otherwise send the group's processes messages")
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
-            raise ValueError(f"model names must be distinct, got {names}")
-        for m in self.models:
-            if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
-                raise ValueError(f"model name {m.name!r} must be letters, digits, '-' or '_'")
-            if isinstance(m.tp_size, bool) or not isinstance(m.tp_size, int) or m.tp_size < 1:
-                raise ValueError(f"model {m.name!r}: tp_size must be an integer >= 1, got {m.tp_size!r}")
-            self._check_placement(m)
+            raise ValueError(f"models: model names must be distinct, got {names}")
+        for i, m in enumerate(self.models):
+            self._check_model(f"models[{i}]", m)
         unknown_kinds = sorted(set(self.routers) - set(ROUTER_ALGORITHMS))
         if unknown_kinds:
             raise ValueError(f"routers: unknown router kind(s) {', '.join(unknown_kinds)}; "
@@ -118,71 +267,49 @@ class GroupConfig:
             raise ValueError(f"memory_fraction must be in (0, 1), got {self.memory_fraction}")
         if not 0 <= self.entry_port <= 65535:
             raise ValueError(f"entry_port must be in [0, 65535], got {self.entry_port}")
-        self.launch_thresholds()  # validates the launch settings
-        mode = self.executor.get("mode", "model")
-        if mode not in ("model", "latency"):
-            raise ValueError(f"executor mode must be 'model' or 'latency', got {mode!r}")
-        if mode == "latency":
-            missing = sorted(set(self.names) - set(self.latency_profile().models))
+        self._check_launch()
+        if self.executor.latency:
+            assert self.executor.profile is not None
+            missing = sorted(set(self.names) - set(self.executor.profile.models))
             if missing:
-                raise ValueError(f"the latency profile has no step latency for model(s) {', '.join(missing)}")
+                raise ValueError(f"executor.profile: the latency profile has no step latency for model(s) "
+                                 f"{', '.join(missing)}")
 
-    def _check_placement(self, m: ModelSpec) -> None:
-        if m.launcher not in LAUNCHERS:
-            raise ValueError(f"model {m.name!r}: launcher must be one of {', '.join(LAUNCHERS)}, got {m.launcher!r}")
-        if m.launcher != "spawn":
+    def _check_model(self, where: str, m: ModelSpec) -> None:
+        if not m.name or not m.name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"{where}.name {m.name!r} must be letters, digits, '-' or '_'")
+        if m.start not in STARTS:
+            raise ValueError(f"{where}.start must be one of {', '.join(STARTS)}, got {m.start!r}")
+        if m.start != "spawn":
             if self.transport != "tcp":
-                raise ValueError(f"model {m.name!r}: launcher {m.launcher!r} runs it in another process tree "
-                                 "(often another host), which only the tcp transport reaches: set transport: tcp")
-            if self.executor.get("mode") == "latency":
-                raise ValueError(f"model {m.name!r}: the latency executor's interference flags live in this "
-                                 "machine's shared memory; use launcher: spawn with it")
+                raise ValueError(f"{where}.start: {m.start} runs model {m.name!r} in another process tree (often "
+                                 "another host), which only the tcp transport reaches: set transport: tcp")
+            if self.executor.latency:
+                raise ValueError(f"{where}.start: the latency executor's interference flags live in this "
+                                 "machine's shared memory; use start: spawn with it")
         if not 0 <= m.port <= 65535:
-            raise ValueError(f"model {m.name!r}: port must be in [0, 65535], got {m.port}")
+            raise ValueError(f"{where}.port must be in [0, 65535], got {m.port}")
         if m.kv_share is not None and not 0.0 < m.kv_share <= 1.0:
-            raise ValueError(f"model {m.name!r}: kv_share must be in (0, 1], got {m.kv_share}")
-        if self.memory_fraction is not None and m.mem_fraction is not None:
-            raise ValueError(f"model {m.name!r}: mem_fraction sizes one pool from what is free when it starts; "
-                             "with the group's memory_fraction the entry splits the device, use kv_share")
+            raise ValueError(f"{where}.kv_share must be in (0, 1], got {m.kv_share}")
+        if self.memory_fraction is not None and m.engine.mem_fraction is not None:
+            raise ValueError(f"{where}.mem_fraction sizes one pool from what is free when it starts; with the "
+                             "group's memory_fraction the entry splits the device, use kv_share")
+
+    def _check_launch(self) -> None:
+        if self.launch.policy == "planner" and len(self.models) != 2:
+            raise ValueError("launch.policy: the planner plans for two models (small first, large second)")
+        table = self.launch.thresholds
+        unknown = sorted(set(table) - set(self.names))
+        if unknown:
+            raise ValueError(f"launch.thresholds name unknown model(s): {', '.join(unknown)}")
+        if table:
+            largest = max(max(t.as_dict()) for t in table.values())
+            check_deadlock_free(dict(table), largest + 64)
 
     def planner_profile(self) -> LatencyProfile | None:
         """The step latencies the planner uses: the launch section's profile, or the latency
         executor's, or None (then each subserver measures its own at start-up)."""
-        prof = self.launch.get("profile")
-        if prof is not None:
-            return LatencyProfile.from_dict(prof) if isinstance(prof, dict) else LatencyProfile.load(prof)
-        if self.executor.get("mode") == "latency":
-            return self.latency_profile()
-        return None
-
-    def latency_profile(self) -> LatencyProfile:
-        prof = self.executor.get("profile")
-        if prof is None:
-            raise ValueError("the latency executor needs a profile (a path or an inline dict)")
-        return LatencyProfile.from_dict(prof) if isinstance(prof, dict) else LatencyProfile.load(prof)
-
-    def launch_thresholds(self) -> dict[str, Thresholds]:
-        """Per-model launch thresholds (models not named launch eagerly); checked deadlock free."""
-        policy = self.launch.get("policy", "eager")
-        if policy == "eager":
-            return {}
-        if policy == "planner":
-            if len(self.models) != 2:
-                raise ValueError("the planner launch policy plans for two models (small first, large second)")
-            alpha = float(self.launch.get("alpha", 0.0))
-            if not 0.0 <= alpha <= 1.0:
-                raise ValueError(f"planner alpha (interference) must be in [0, 1], got {alpha}")
-            return {}  # the entry sends the large model its thresholds once it knows the latencies
-        if policy != "threshold":
-            raise ValueError(f"launch policy must be 'eager', 'threshold' or 'planner', got {policy!r}")
-        raw = self.launch.get("thresholds") or {}
-        unknown = sorted(set(raw) - set(self.names))
-        if unknown:
-            raise ValueError(f"launch thresholds name unknown model(s): {', '.join(unknown)}")
-        table = {m: Thresholds(v) for m, v in raw.items()}
-        largest = max((max(t.as_dict()) for t in table.values()), default=1)
-        check_deadlock_free(table, largest + 64)
-        return table
+        return self.launch.profile if self.launch.profile is not None else self.executor.profile
 
     def curve_keys(self) -> CurveKeys | None:
         return keys_from_secret(self.secret) if self.transport == "tcp" and self.secret else None
@@ -195,25 +322,23 @@ class GroupConfig:
         return next(m for m in self.models if m.name == name)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GroupConfig:
-        known = {f.name for f in dataclasses.fields(ModelSpec)}
-        models = []
-        for i, m in enumerate(d.get("models") or []):
-            unknown = sorted(set(m) - known)
-            if unknown:
-                raise ValueError(f"models[{i}]: unknown field(s) {', '.join(unknown)}")
-            models.append(ModelSpec(**m))
+    def from_dict(cls, d: Mapping[str, Any]) -> GroupConfig:
+        seed = _number("seed", d.get("seed", 0), int)
+        models = [ModelSpec.from_dict(m, seed + i, f"models[{i}]") for i, m in enumerate(d.get("models") or [])]
         algo = d.get("algorithm", "single")
         params: dict[str, Any] = dict(d.get("algorithm_params") or {})
         if isinstance(algo, dict):  # YAML style: algorithm: {name: bernoulli, p: 0.1}
             params.update({k: v for k, v in algo.items() if k != "name"})
             algo = algo.get("name", "single")
-        rest = {k: v for k, v in d.items() if k not in ("models", "algorithm", "algorithm_params")}
-        allowed = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(rest) - allowed)
-        if unknown:
-            raise ValueError(f"unknown group config field(s): {', '.join(unknown)}")
-        return cls(models=models, algorithm=algo, algorithm_params=params, **rest)
+        sections = {"launch": LaunchConfig, "executor": ExecutorConfig, "ray": RayConfig}
+        rest = {k: v for k, v in d.items() if k not in ("models", "algorithm", "algorithm_params", "seed")}
+        _unknown("the group config", rest, {f.name for f in dataclasses.fields(cls)})
+        for key, section in sections.items():
+            if key in rest:
+                if not isinstance(rest[key], Mapping):
+                    raise ValueError(f"{key} must be a mapping of its fields, got {rest[key]!r}")
+                rest[key] = section.from_dict(rest[key])
+        return cls(models=models, algorithm=algo, algorithm_params=params, seed=seed, **rest)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> GroupConfig:
@@ -222,4 +347,9 @@ class GroupConfig:
         return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The YAML shape (from_dict reads it back)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["models"] = [m.to_dict() for m in self.models]
+        for key in ("launch", "executor", "ray"):
+            d[key] = d[key].to_dict()
+        return d

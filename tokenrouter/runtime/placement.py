@@ -13,6 +13,7 @@ share host memory. On CPU co-location means sharing cores too, which is reported
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -62,19 +63,20 @@ class ModelNeeds:
 
     @classmethod
     def of(cls, spec: ModelSpec) -> ModelNeeds:
-        mc = ModelConfig.from_folder(spec.path)
-        cuda = spec.device.startswith("cuda")
-        dtype = DTYPES[spec.dtype] if spec.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
+        eng = spec.engine
+        mc = ModelConfig.from_folder(eng.model_path)
+        cuda = eng.device.startswith("cuda")
+        dtype = DTYPES[eng.dtype] if eng.dtype != "auto" else (torch.bfloat16 if cuda else torch.float32)
         size = torch.tensor([], dtype=dtype).element_size()
-        split = spec.tp_size if cuda else 1  # CPU ranks share host memory: count the whole model once
+        split = eng.tp_size if cuda else 1  # CPU ranks share host memory: count the whole model once
         devices = ["cpu"]
         if cuda:  # rank r uses the GPU r places after the model's device
-            first = torch.device(spec.device).index or 0
-            devices = [f"cuda:{first + r}" for r in range(spec.tp_size)]
-        activations = spec.chunked_prefill_size * (4 * mc.hidden_size + 2 * mc.intermediate_size // split) * size
-        logits = spec.max_running_requests * mc.vocab_size * 4 * 2  # float32 logits and their softmax
-        ranks = 1 if cuda else spec.tp_size
-        return cls(spec, devices, parameter_count(spec.path) * size // split,
+            first = torch.device(eng.device).index or 0
+            devices = [f"cuda:{first + r}" for r in range(eng.tp_size)]
+        activations = eng.chunked_prefill_size * (4 * mc.hidden_size + 2 * mc.intermediate_size // split) * size
+        logits = eng.max_running_requests * mc.vocab_size * 4 * 2  # float32 logits and their softmax
+        ranks = 1 if cuda else eng.tp_size
+        return cls(spec, devices, parameter_count(eng.model_path) * size // split,
                    ranks * (activations + logits) + (CUDA_CONTEXT_BYTES if cuda else 0),
                    KVPool.bytes_per_token(mc.num_layers, mc.num_kv_heads // split, mc.head_dim, dtype))
 
@@ -107,11 +109,11 @@ class Placement:
             for m in plan.models:
                 if m.devices[0] != plan.device:
                     continue  # a TP model is described once, on its first device
-                tokens = self.tokens[m.spec.name]
+                tokens, page = self.tokens[m.spec.name], m.spec.engine.page_size
                 gpus = f" on each of {len(m.devices)} GPUs" if len(m.devices) > 1 else ""
                 out.append(f"  {m.spec.name}: weights {m.weight_bytes / _MIB:.1f} MiB{gpus}, reserve "
-                           f"{m.reserve_bytes / _MIB:.1f} MiB, KV {tokens} tokens ({tokens // m.spec.page_size} "
-                           f"pages of {m.spec.page_size}, {tokens * m.kv_bytes_per_token / _MIB:.1f} MiB), share "
+                           f"{m.reserve_bytes / _MIB:.1f} MiB, KV {tokens} tokens ({tokens // page} "
+                           f"pages of {page}, {tokens * m.kv_bytes_per_token / _MIB:.1f} MiB), share "
                            f"{self.shares[m.spec.name]:.2f}")
         return out
 
@@ -128,8 +130,8 @@ def split_memory(models: list[ModelNeeds], fraction: float, memory: Callable[[st
         if plan.kv_bytes <= 0:
             raise ValueError(f"{plan.line(fraction)}: the weights and working memory leave no room for KV; "
                              "raise memory_fraction or place a model elsewhere")
-        fixed = {m.spec.name: m.spec.kv_cache_tokens * m.kv_bytes_per_token
-                 for m in plan.models if m.spec.kv_cache_tokens is not None}
+        fixed = {m.spec.name: m.spec.engine.kv_cache_tokens * m.kv_bytes_per_token
+                 for m in plan.models if m.spec.engine.kv_cache_tokens is not None}
         claimed = {m.spec.name: m.spec.kv_share * plan.kv_bytes
                    for m in plan.models if m.spec.kv_share is not None and m.spec.name not in fixed}
         rest = plan.kv_bytes - sum(fixed.values()) - sum(claimed.values())
@@ -144,9 +146,9 @@ def split_memory(models: list[ModelNeeds], fraction: float, memory: Callable[[st
         per_device[d] = fit
     tokens, shares = {}, {}
     for m in models:
-        name, page = m.spec.name, m.spec.page_size
-        if m.spec.kv_cache_tokens is not None:
-            tokens[name] = m.spec.kv_cache_tokens
+        name, page = m.spec.name, m.spec.engine.page_size
+        if m.spec.engine.kv_cache_tokens is not None:
+            tokens[name] = m.spec.engine.kv_cache_tokens
         else:
             tokens[name] = min(per_device[d][name] for d in m.devices) // page * page
             if tokens[name] < page:
@@ -159,7 +161,7 @@ def split_memory(models: list[ModelNeeds], fraction: float, memory: Callable[[st
 def shared_cores(group: GroupConfig) -> list[str]:
     """Lines naming CPU models whose pinned cores overlap (their steps slow each other down)."""
     out = []
-    cpu = [m for m in group.models if m.launcher == "spawn" and m.device == "cpu" and m.cores]
+    cpu = [m for m in group.models if m.start == "spawn" and m.engine.device == "cpu" and m.cores]
     for i, a in enumerate(cpu):
         for b in cpu[i + 1:]:
             both = sorted(set(a.cores or []) & set(b.cores or []))
@@ -169,14 +171,14 @@ def shared_cores(group: GroupConfig) -> list[str]:
     return out
 
 
-def plan_placement(group: GroupConfig, memory: Callable[[str], int] | None = None) -> list[str]:
-    """Plan the devices the entry's own subservers share and fix their `kv_cache_tokens`; the lines to
-    print. With `memory_fraction` every device is planned; without it only CUDA devices two or more
-    models share (at 0.9), so that neither takes the other's memory. Models started elsewhere (join,
-    Ray) size their pools on their own hosts."""
-    if group.executor.get("mode") == "latency":
-        return shared_cores(group)  # no weights and no real KV: nothing to split
-    local = [m for m in group.models if m.launcher == "spawn"]
+def plan_placement(group: GroupConfig, memory: Callable[[str], int] | None = None) -> tuple[GroupConfig, list[str]]:
+    """Plan the devices the entry's own subservers share: the group with their `kv_cache_tokens` fixed,
+    and the lines to print. With `memory_fraction` every device is planned; without it only CUDA devices
+    two or more models share (at 0.9), so that neither takes the other's memory. Models started
+    elsewhere (join, Ray) size their pools on their own hosts."""
+    if group.executor.latency:
+        return group, shared_cores(group)  # no weights and no real KV: nothing to split
+    local = [m for m in group.models if m.start == "spawn"]
     needs = [ModelNeeds.of(m) for m in local]
     fraction = group.memory_fraction
     if fraction is None:
@@ -187,8 +189,8 @@ def plan_placement(group: GroupConfig, memory: Callable[[str], int] | None = Non
         needs = [n for n in needs if any(d.startswith("cuda") and users[d] > 1 for d in n.devices)]
         fraction = 0.9
     if not needs:
-        return shared_cores(group)
+        return group, shared_cores(group)
     plan = split_memory(needs, fraction, memory or device_memory)
-    for n in needs:
-        n.spec.kv_cache_tokens = plan.tokens[n.spec.name]
-    return plan.lines() + shared_cores(group)
+    models = [dataclasses.replace(m, engine=dataclasses.replace(m.engine, kv_cache_tokens=plan.tokens[m.name]))
+              if m.name in plan.tokens else m for m in group.models]
+    return dataclasses.replace(group, models=models), plan.lines() + shared_cores(group)

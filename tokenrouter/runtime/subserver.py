@@ -62,26 +62,27 @@ class Subserver:
 
     def __init__(self, spec: ModelSpec, group: GroupConfig, bind_address: str, entry_address: str,
                  parent_pid: int | None = None, advertise_host: str | None = None,
-                 watch_entry: bool = False) -> None:
+                 watch_entry: bool = False, interference_flags: str | None = None) -> None:
         """`advertise_host`: the host others reach the inbox at when it binds a wildcard interface.
-        `watch_entry`: not the entry's child (joined, or a Ray actor), so exit when its connection drops."""
+        `watch_entry`: not the entry's child (joined, or a Ray actor), so exit when its connection drops.
+        `interference_flags`: with the latency executor, the shared memory where the entry's co-located
+        models flag their running steps."""
         self.name = spec.name
         self.parent_pid = parent_pid
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
-        seed = group.seed + group.names.index(spec.name)
-        thresholds = group.launch_thresholds().get(spec.name)
+        thresholds = group.launch.thresholds.get(spec.name)
         self.launch: LaunchPolicy = ThresholdLaunch(thresholds) if thresholds else EagerLaunch()
-        planned = group.launch.get("policy") == "planner"
+        planned = group.launch.policy == "planner"
         self.measure_latency = planned and group.planner_profile() is None
         self.clock: InterferenceClock | None = None
         runner = None
-        if group.executor.get("mode") == "latency":
-            profile = group.latency_profile()
+        profile = group.executor.profile if group.executor.latency else None
+        if profile is not None:
             names = group.names
             alphas = {names.index(p): a for p, a in profile.interference.get(spec.name, {}).items() if p in names}
-            self.clock = InterferenceClock(names.index(spec.name), alphas, group.executor.get("flags"))
-            runner = LatencyModelRunner.for_model(profile, spec.name, spec.path, self.clock)
-        self.engine = Engine(spec.engine_config(seed), launch=self.launch, outputs=self.algorithm.outputs(spec.name),
+            self.clock = InterferenceClock(names.index(spec.name), alphas, interference_flags)
+            runner = LatencyModelRunner.for_model(profile, spec.name, spec.engine.model_path, self.clock)
+        self.engine = Engine(spec.engine, launch=self.launch, outputs=self.algorithm.outputs(spec.name),
                              latency_runner=runner)
         self.algorithm.bind(spec.name, self.engine)
         self.ctx = zmq.Context()
@@ -333,17 +334,19 @@ def configure_process(model: ModelSpec) -> None:
         os.sched_setaffinity(0, model.cores)
     import torch
 
-    torch.set_num_threads(model.threads)
+    if model.engine.num_threads is not None:
+        torch.set_num_threads(model.engine.num_threads)
 
 
 def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry_address: str,
                     parent_pid: int | None = None, advertise_host: str | None = None,
-                    watch_entry: bool = False) -> None:
+                    watch_entry: bool = False, interference_flags: str | None = None) -> None:
     """Load and serve until Shutdown; a failure is reported to the entry (which turns it into a clear
     error) and raised again."""
     server = None
     try:
-        server = Subserver(model, cfg, bind_address, entry_address, parent_pid, advertise_host, watch_entry)
+        server = Subserver(model, cfg, bind_address, entry_address, parent_pid, advertise_host, watch_entry,
+                           interference_flags)
         server.run()
     except BaseException as e:
         ctx = zmq.Context.instance()
@@ -360,14 +363,16 @@ def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry
             server.close()
 
 
-def subserver_main(spec: dict[str, Any], group: dict[str, Any], bind_address: str,
-                   entry_address: str, parent_pid: int) -> None:
-    """Process entry point (spawned by the entry): configure threads and cores, then serve."""
+def subserver_main(name: str, group: dict[str, Any], bind_address: str, entry_address: str, parent_pid: int,
+                   interference_flags: str | None = None) -> None:
+    """Process entry point (spawned by the entry): serve model `name` of the group (its config as
+    GroupConfig.to_dict gives it); configure threads and cores, then serve."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
-    model = ModelSpec(**spec)
+    cfg = GroupConfig.from_dict(group)
+    model = cfg.spec(name)
     configure_process(model)
     try:
-        serve_subserver(model, GroupConfig.from_dict(group), bind_address, entry_address, parent_pid)
+        serve_subserver(model, cfg, bind_address, entry_address, parent_pid, interference_flags=interference_flags)
     except BaseException as e:
         raise SystemExit(1) from e

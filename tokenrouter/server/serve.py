@@ -71,7 +71,7 @@ def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key
     runtime.start(timeout=group.startup_timeout + 10)
     try:
         assert runtime.entry is not None
-        tokenizer = load_tokenizer(group.spec(runtime.entry.algorithm.entry_model).path)
+        tokenizer = load_tokenizer(group.spec(runtime.entry.algorithm.entry_model).engine.model_path)
         app = build_app(runtime, tokenizer, ServerConfig(model_name or group.name, api_key, max_body_bytes,
                                                         request_timeout))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -130,7 +130,7 @@ class Features:
         return int(self.hidden.shape[0])
 
 
-def _by_length(seqs: Sequence[Sequence[int]], batch: int) -> list[list[int]]:
+def by_length(seqs: Sequence[Sequence[int]], batch: int) -> list[list[int]]:
     """Batches of sequence indices of equal length (no padding, so no attention masks anywhere)."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, s in enumerate(seqs):
@@ -138,7 +138,8 @@ def _by_length(seqs: Sequence[Sequence[int]], batch: int) -> list[list[int]]:
     return [idx[j:j + batch] for n in sorted(groups) for idx in [groups[n]] for j in range(0, len(idx), batch)]
 
 
-def _decoder(model: Any) -> Any:
+def decoder(model: Any) -> Any:
+    """The transformer body of a causal LM (its hidden states, without the lm_head)."""
     body = getattr(model, "model", None)
     if body is None:
         raise ValueError(f"{type(model).__name__}: expected a causal LM with a .model body and an .lm_head")
@@ -151,12 +152,12 @@ def teacher_force(small: Any, large: Any, seqs: Sequence[Sequence[int]], top_k: 
     """Both models over every sequence; per position t < n-1 of each: hidden, greedy tokens, top-k
     logits and the next token's log-probabilities (see the module docstring). Rows in sequence order."""
     per_seq: list[dict[str, torch.Tensor] | None] = [None] * len(seqs)
-    batches = _by_length(seqs, batch_size)
+    batches = by_length(seqs, batch_size)
     n_tok = sum(len(s) for s in seqs)
     with tqdm(total=n_tok, desc="teacher forcing", unit="tok", disable=not progress) as bar:
         for idx in batches:
             ids = torch.tensor([list(seqs[i]) for i in idx], dtype=torch.long, device=device)
-            hidden = _decoder(small)(input_ids=ids).last_hidden_state
+            hidden = decoder(small)(input_ids=ids).last_hidden_state
             ls = small.lm_head(hidden).float()
             ll = large(input_ids=ids).logits.float()
             target = ids[:, 1:]

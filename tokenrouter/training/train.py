@@ -358,7 +358,7 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
     model's log-probabilities stay the precomputed ones), early-stopped on the held-out sequences.
     Returns features recomputed with the fine-tuned model (hidden states, greedy tokens, p_small, and
     the weak labels against the large model's greedy tokens) and the history."""
-    from tokenrouter.training.labels import _by_length, _decoder
+    from tokenrouter.training.labels import by_length, decoder
 
     assert feats.lp_large is not None
     where = _seq_slices(feats, len(seqs))
@@ -373,7 +373,7 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
 
     def batch_loss(idx: list[int]) -> tuple[torch.Tensor, int]:
         ids = torch.tensor([list(seqs[i]) for i in idx], dtype=torch.long, device=device)
-        hidden = _decoder(small)(input_ids=ids).last_hidden_state[:, :-1]
+        hidden = decoder(small)(input_ids=ids).last_hidden_state[:, :-1]
         lsm = torch.log_softmax(small.lm_head(hidden).float(), -1)
         lp_s = lsm.gather(-1, ids[:, 1:, None]).squeeze(-1)
         lp_l = torch.stack([lp_large[i] for i in idx]).to(device)
@@ -384,7 +384,7 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
         head.eval()
         tot, n = 0.0, 0
         with torch.no_grad():
-            for b in _by_length([seqs[i] for i in held_seqs], s.finetune_batch_size):
+            for b in by_length([seqs[i] for i in held_seqs], s.finetune_batch_size):
                 value, count = batch_loss([held_seqs[j] for j in b])
                 tot, n = tot + float(value.detach()) * count, n + count
         return tot / max(1, n)
@@ -394,7 +394,7 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
 
     best, (best_small, best_head), bad = held_loss(), snapshot(), 0
     history: list[dict[str, Any]] = [{"epoch": 0, "held_out_loss": best, "phase": "finetune"}]
-    batches = _by_length([seqs[i] for i in train_seqs], s.finetune_batch_size)
+    batches = by_length([seqs[i] for i in train_seqs], s.finetune_batch_size)
     with tqdm(range(s.finetune_epochs), desc="fine-tune small model", unit="epoch", disable=not s.progress) as bar:
         for epoch in bar:
             small.train()
@@ -425,9 +425,9 @@ def finetune_co_llm(small: nn.Module, head: nn.Module, seqs: Sequence[Sequence[i
     lp_small = torch.zeros(len(feats))
     token = torch.zeros(len(feats), dtype=torch.long)
     with torch.no_grad():
-        for b in _by_length(seqs, s.label_batch_size):
+        for b in by_length(seqs, s.label_batch_size):
             ids = torch.tensor([list(seqs[i]) for i in b], dtype=torch.long, device=device)
-            h = _decoder(small)(input_ids=ids).last_hidden_state[:, :-1]
+            h = decoder(small)(input_ids=ids).last_hidden_state[:, :-1]
             logits = small.lm_head(h).float()
             lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             for row, i in enumerate(b):

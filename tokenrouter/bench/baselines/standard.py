@@ -5,7 +5,7 @@ OpenAI-compatible API). A coordinator, itself an OpenAI-compatible server, runs 
 for every client request: for each output position it asks the small server for ONE token,
 resending the whole context (prompt + output so far) as a new request; the router (the same
 Bernoulli rule as `tokenrouter.routing.bernoulli`: hand position i of a request with seed s to the
-large model when `uniform([s], [i], _STREAM)[0] < p`) decides; if the position is handed off, the
+large model when `hands_off([s], [i], p)[0]`) decides; if the position is handed off, the
 small token is dropped and the large server is asked for that position's token instead (as R2R
 does). Every token therefore costs one HTTP request (two when routed), a scheduling round and a
 prefill of the new suffix on the server (its prefix cache holds the rest).
@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from tokenrouter.bench.server_process import ManagedProcess, free_port
+from tokenrouter.server.async_entry import Done, TokenOut
 
 logger = logging.getLogger(__name__)
 
@@ -83,35 +84,28 @@ class _Backend:
 
 
 @dataclass
-class _Token:
-    token: int
-    model: str
-    text: str
-    logprob: float | None = None
-    top_logprobs: dict[str, float] | None = None
-
-
-@dataclass
-class _Done:
-    finish_reason: str  # "stop" or "length"
-    text: str
-
-
-@dataclass
 class _Gen:
+    """One request's outcome, in the routed server's event types (TokenOut, Done). A token's
+    top_logprobs are keyed by token text here, as the backends return them."""
+
     prompt_len: int
-    tokens: list[_Token] = field(default_factory=list)
-    done: _Done | None = None
+    tokens: list[TokenOut] = field(default_factory=list)
+    done: Done | None = None
     text: str = ""
     backend_requests: int = 0
 
-    def routing(self) -> dict[str, Any]:
+    def finish(self, reason: str, text: str) -> Done:
         models = [t.model for t in self.tokens]
         per_model: dict[str, int] = {}
         for m in models:
             per_model[m] = per_model.get(m, 0) + 1
-        return {"tokens_per_model": per_model, "handoffs": sum(a != b for a, b in zip(models, models[1:])),
-                "token_models": models, "backend_requests": self.backend_requests}
+        self.done = Done(reason, None, text, None, per_model, sum(a != b for a, b in zip(models, models[1:])))
+        return self.done
+
+    def routing(self) -> dict[str, Any]:
+        assert self.done is not None
+        return {"tokens_per_model": self.done.tokens_per_model, "handoffs": self.done.handoffs,
+                "token_models": [t.model for t in self.tokens], "backend_requests": self.backend_requests}
 
     def usage(self) -> dict[str, int]:
         n = len(self.tokens)
@@ -208,10 +202,9 @@ class Coordinator:
 
     def routed(self, seed: int, position: int) -> bool:
         """The Bernoulli router's decision for `position` (= len(prompt + output so far))."""
-        from tokenrouter.engine.draws import uniform
-        from tokenrouter.routing.bernoulli import _STREAM
+        from tokenrouter.routing.bernoulli import hands_off
 
-        return bool(uniform([seed], [position], _STREAM)[0] < self.cfg.p)
+        return bool(hands_off([seed], [position], self.cfg.p)[0])
 
     async def one_token(self, b: _Backend, context: list[int], sampling: dict[str, Any]) -> tuple[int, str, Any]:
         """Ask backend b for one token after `context`: (token, finish_reason, logprobs or None)."""
@@ -234,8 +227,8 @@ class Coordinator:
         return ids[0], choice["finish_reason"], choice.get("logprobs")
 
     async def generate(self, ids: list[int], gen: _Gen, max_tokens: int, sampling: dict[str, Any], seed: int,
-                       stops: list[str]) -> AsyncIterator[_Token | _Done]:
-        """Yield each token as it is written, then the _Done; fills `gen` as it goes."""
+                       stops: list[str]) -> AsyncIterator[TokenOut | Done]:
+        """Yield each token as it is written, then the Done; fills `gen` as it goes."""
         context = list(ids)
         text = _Text(self.tokenizer, ids, stops)
         backend_sampling = {**sampling, "seed": seed}
@@ -255,17 +248,16 @@ class Coordinator:
                 finish = "stop"
             elif len(gen.tokens) + 1 >= max_tokens or (self.context_len and len(context) >= self.context_len):
                 finish = "length"
-            item = _Token(tok, writer.name, text.release(done=finish is not None))
-            if lp is not None:
-                item.logprob = lp["token_logprobs"][0]
-                item.top_logprobs = lp["top_logprobs"][0] if lp.get("top_logprobs") else {}
+            item = TokenOut(tok, writer.name, text.release(done=finish is not None),
+                            lp["token_logprobs"][0] if lp is not None else None,
+                            (lp["top_logprobs"][0] if lp.get("top_logprobs") else {}) if lp is not None else None)
             gen.tokens.append(item)
             gen.text += item.text
             yield item
             if finish is not None:
-                gen.done = _Done(finish, text.release(done=True))
-                gen.text += gen.done.text
-                yield gen.done
+                done = gen.finish(finish, text.release(done=True))
+                gen.text += done.text
+                yield done
                 return
 
 
@@ -304,7 +296,7 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    def logprobs_of(toks: list[_Token], offset: int) -> dict[str, Any]:
+    def logprobs_of(toks: list[TokenOut], offset: int) -> dict[str, Any]:
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for t in toks:
             out["tokens"].append(tokenizer.decode([t.token]))
@@ -346,7 +338,7 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
         rid, created = f"cmpl-std-{uuid.uuid4().hex[:16]}", int(time.time())
         want_lp = body.logprobs is not None
 
-        def chunk(toks: list[_Token], text: str, reason: str | None, offset: int = 0) -> dict[str, Any]:
+        def chunk(toks: list[TokenOut], text: str, reason: str | None, offset: int = 0) -> dict[str, Any]:
             return completion_chunk(rid, created, cfg.model_name, text, reason,
                                     logprobs_of(toks, offset) if want_lp else None,
                                     [t.token for t in toks] if body.return_token_ids else None)
@@ -356,11 +348,11 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
             every = want_lp or body.return_token_ids
 
             async def stream() -> AsyncIterator[str]:
-                pending: list[_Token] = []
+                pending: list[TokenOut] = []
                 offset = 0
                 try:
                     async for item in events:
-                        if isinstance(item, _Token):
+                        if isinstance(item, TokenOut):
                             pending.append(item)
                             if item.text or every:
                                 yield sse(chunk(pending, item.text, None, offset))
@@ -499,9 +491,9 @@ def start_coordinator(small_url: str, large_url: str, small_tokenizer: str | Pat
                       name: str = "coordinator", extra_args: Sequence[str] = ()) -> ManagedProcess:
     """The coordinator (`python -m tokenrouter.bench.baselines.standard`) on a free port (not yet waited for)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "tokenrouter.bench.baselines.standard", "--small-url", small_url, "--large-url", large_url,
-           "--small-tokenizer", str(small_tokenizer), "--p", repr(float(p)), "--port", str(port),
-           "--model-name", model_name, "--log-level", "warning", *extra_args]
+    cmd = [sys.executable, "-m", "tokenrouter.bench.baselines.standard", "--small-url", small_url,
+           "--large-url", large_url, "--small-tokenizer", str(small_tokenizer), "--p", repr(float(p)),
+           "--port", str(port), "--model-name", model_name, "--log-level", "warning", *extra_args]
     return ManagedProcess(name, cmd, port, log_dir, cores)
 
 
@@ -597,12 +589,6 @@ class StandardStack:
     def __exit__(self, *exc: object) -> None:
         self.stop()
         self.cleanup_logs()
-
-
-@contextlib.contextmanager
-def standard_stack(*args: Any, **kwargs: Any) -> Iterator[StandardStack]:
-    with StandardStack(*args, **kwargs) as stack:
-        yield stack
 
 
 if __name__ == "__main__":

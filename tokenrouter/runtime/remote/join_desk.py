@@ -1,5 +1,5 @@
 """The entry's side of `tokenrouter subserver --join`: a subserver started by hand on another host says
-which model it serves; the entry checks that against the config (a model marked `launcher: join` that
+which model it serves; the entry checks that against the config (a model marked `start: join` that
 has not joined yet, the entry model's vocabulary, and the config's model where its folder is readable
 here) and answers Welcome, with the group config to serve, or Refused, with the reason."""
 
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 class JoinDesk:
     def __init__(self, group: GroupConfig, ctx: zmq.Context, keys: CurveKeys | None, vocab_hash: str) -> None:
         self.group, self.ctx, self.keys, self.vocab_hash = group, ctx, keys, vocab_hash
-        self.waiting = [m.name for m in group.models if m.launcher == "join"]
+        self.waiting = [m.name for m in group.models if m.start == "join"]
         self.joined: dict[str, tuple[float, str]] = {}  # model -> (when, the joiner's inbox address)
 
     def check(self, msg: Join) -> str | None:
@@ -36,11 +36,11 @@ class JoinDesk:
         if msg.identity.vocab_hash != self.vocab_hash:
             return ("its tokenizer's vocabulary differs from the entry model's; token ids pass between the models, "
                     "so they must share one tokenizer")
-        spec = self.group.spec(msg.model)
-        if (Path(spec.path) / "config.json").is_file():  # the entry may not hold the model's folder
-            diffs = ModelIdentity.from_folder(spec.path).differences(msg.identity)
+        path = self.group.spec(msg.model).engine.model_path
+        if (Path(path) / "config.json").is_file():  # the entry may not hold the model's folder
+            diffs = ModelIdentity.from_folder(path).differences(msg.identity)
             if diffs:
-                return (f"it serves another model than the config names for {msg.model!r} ({spec.path}): "
+                return (f"it serves another model than the config names for {msg.model!r} ({path}): "
                         f"{'; '.join(diffs)} (config != joiner)")
         return None
 

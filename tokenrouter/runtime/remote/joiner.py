@@ -83,7 +83,7 @@ def ask_to_join(entry: str, name: str, model_path: str, secret: str | None, bind
         push.send(encode(Join(name, f"tcp://{advertise}:{port}", identity, socket.gethostname())))
         if not inbox.poll(int(timeout * 1000)):
             raise HandshakeFailed(f"the entry at {entry} did not answer within {timeout:.0f} s: it may not wait for "
-                                  f"a joiner (no model marked launcher: join), or it cannot reach tcp://{advertise}:{port}")
+                                  f"a joiner (no model marked start: join), or it cannot reach tcp://{advertise}:{port}")
         reply = decode(inbox.recv())
     finally:
         watch.close()
@@ -145,7 +145,7 @@ def cmd_subserver(args: argparse.Namespace) -> int:
 
 def add_subserver_parser(sub: Any) -> None:
     p = sub.add_parser("subserver", help="serve one model of a group from this host: join an entry started by "
-                                         "`tokenrouter serve` whose config marks the model launcher: join")
+                                         "`tokenrouter serve` whose config marks the model start: join")
     p.add_argument("--join", required=True, metavar="HOST:PORT", help="the entry's address (entry_host:entry_port)")
     p.add_argument("--name", required=True, help="the model's name in the group config")
     p.add_argument("--model-path", "--model", dest="model_path", required=True, help="the model folder on this host")

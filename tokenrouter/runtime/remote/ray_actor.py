@@ -1,4 +1,4 @@
-"""Subservers as Ray actors on an existing Ray cluster (`launcher: ray`; `pip install tokenrouter[ray]`).
+"""Subservers as Ray actors on an existing Ray cluster (`start: ray`; `pip install tokenrouter[ray]`).
 
 Each actor asks Ray for the resources its model needs (a GPU per tensor-parallel rank on CUDA, a CPU
 per core or thread otherwise), binds its inbox on its node's IP and then runs like any subserver: it
@@ -13,62 +13,60 @@ import logging
 import uuid
 from typing import Any
 
-from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+from tokenrouter.runtime.group_config import GroupConfig, ModelSpec, RayConfig
 
 logger = logging.getLogger(__name__)
 
 
 def resources(spec: ModelSpec) -> dict[str, float]:
     """What the actor reserves: on CUDA one GPU per rank; CPUs for its cores, else its threads per rank."""
-    gpus = spec.tp_size if spec.device.startswith("cuda") else 0
-    cpus = len(spec.cores) if spec.cores else spec.threads * spec.tp_size
+    eng = spec.engine
+    gpus = eng.tp_size if eng.device.startswith("cuda") else 0
+    cpus = len(spec.cores) if spec.cores else (eng.num_threads or 1) * eng.tp_size
     return {"num_cpus": float(cpus), "num_gpus": float(gpus)}
 
 
 class SubserverActor:
     """Runs in the actor's own worker process; `run` serves until Shutdown (or its entry disappears)."""
 
-    def run(self, spec: dict[str, Any], group: dict[str, Any], entry_address: str) -> None:
+    def run(self, name: str, group: dict[str, Any], entry_address: str) -> None:
+        """Serve model `name` of the group (its config as GroupConfig.to_dict gives it)."""
         import ray
 
         from tokenrouter.runtime.subserver import configure_process, serve_subserver
 
-        model = ModelSpec(**spec)
-        if model.device.startswith("cuda"):
+        cfg = GroupConfig.from_dict(group)
+        model = cfg.spec(name)
+        if model.engine.device.startswith("cuda"):
             # Ray shows the actor only the GPUs it reserved, as cuda:0..tp_size-1.
-            model = dataclasses.replace(model, device="cuda:0")
+            model = dataclasses.replace(model, engine=dataclasses.replace(model.engine, device="cuda:0"))
         configure_process(model)
         ip = ray.util.get_node_ip_address()
-        serve_subserver(model, GroupConfig.from_dict(group), f"tcp://{ip}:{model.port or '*'}", entry_address,
-                        watch_entry=True)
+        serve_subserver(model, cfg, f"tcp://{ip}:{model.port or '*'}", entry_address, watch_entry=True)
 
 
-def connect(settings: dict[str, Any]) -> Any:
+def connect(settings: RayConfig) -> Any:
     """Import Ray and join the cluster of the group's `ray` section, once per process."""
     try:
         import ray
     except ImportError as e:
-        raise ValueError("launcher: ray needs Ray in the entry's environment: pip install 'tokenrouter[ray]'") from e
-    unknown = sorted(set(settings) - {"address", "namespace"})
-    if unknown:
-        raise ValueError(f"unknown ray setting(s) {', '.join(unknown)}; known: address, namespace")
+        raise ValueError("start: ray needs Ray in the entry's environment: pip install 'tokenrouter[ray]'") from e
     if not ray.is_initialized():
-        ray.init(address=settings.get("address", "auto"), namespace=settings.get("namespace"),
-                 log_to_driver=True)
+        ray.init(address=settings.address, namespace=settings.namespace, log_to_driver=True)
     return ray
 
 
 class RaySubserver:
     """The entry's handle on one actor: its `run` call ending means the subserver has gone."""
 
-    def __init__(self, spec: ModelSpec, group: dict[str, Any], entry_address: str, settings: dict[str, Any]) -> None:
+    def __init__(self, spec: ModelSpec, group: dict[str, Any], entry_address: str, settings: RayConfig) -> None:
         self.ray = connect(settings)
         self.name = spec.name
         opts = resources(spec)
         actor_cls = self.ray.remote(SubserverActor)
         self.actor = actor_cls.options(name=f"tokenrouter-{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=0,
                                        **opts).remote()
-        self.done = self.actor.run.remote(dataclasses.asdict(spec), group, entry_address)
+        self.done = self.actor.run.remote(spec.name, group, entry_address)
         logger.info("model %r: Ray actor asked for %g CPU and %g GPU", spec.name, opts["num_cpus"], opts["num_gpus"])
 
     def failure(self) -> str | None:

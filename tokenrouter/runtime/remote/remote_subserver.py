@@ -1,4 +1,4 @@
-"""Subservers the entry does not spawn itself: joined by hand from another host (join.py) or started as
+"""Subservers the entry does not spawn itself: joined by hand from another host (joiner.py) or started as
 Ray actors (ray_actor.py). The entry sees them through RemoteSubserver, as it sees its own children
 through multiprocessing.Process."""
 

@@ -1,4 +1,4 @@
-"""Subservers as Ray actors (`launcher: ray`). Ray is an optional extra that CI does not install: the
+"""Subservers as Ray actors (`start: ray`). Ray is an optional extra that CI does not install: the
 cluster test runs where Ray is importable (a local cluster bound to 127.0.0.1) and skips elsewhere."""
 
 from __future__ import annotations
@@ -10,35 +10,39 @@ from pathlib import Path
 import pytest
 
 from tokenrouter import SamplingParams
+from tokenrouter.engine.config import EngineConfig
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+from tokenrouter.runtime.group_config import GroupConfig, ModelSpec, RayConfig
 from tokenrouter.runtime.remote.ray_actor import connect, resources
 
 SECRET = "correct horse battery staple"
 
 
-def group(pair_paths, launcher: str, **extra) -> dict:
+def group(pair_paths, start: str, **extra) -> dict:
     return {"models": [{"name": "small", "path": str(pair_paths["small"]), "kv_cache_tokens": 2048, "page_size": 4},
                        {"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 2048, "page_size": 4,
-                        "launcher": launcher}],
+                        "start": start}],
             "algorithm": {"name": "bernoulli", "p": 0.5}, "transport": "tcp", "secret": SECRET, **extra}
 
 
 def test_actor_resources_follow_the_model_spec():
-    assert resources(ModelSpec("m", "/x", device="cuda:0", tp_size=2, threads=4)) == {"num_cpus": 8.0, "num_gpus": 2.0}
-    assert resources(ModelSpec("m", "/x", cores=[0, 1, 2])) == {"num_cpus": 3.0, "num_gpus": 0.0}
-    assert resources(ModelSpec("m", "/x", threads=2)) == {"num_cpus": 2.0, "num_gpus": 0.0}
+    def spec(cores: list[int] | None = None, **engine) -> ModelSpec:
+        return ModelSpec("m", EngineConfig("/x", **{"num_threads": 1, **engine}), cores=cores)
+
+    assert resources(spec(device="cuda:0", tp_size=2, num_threads=4)) == {"num_cpus": 8.0, "num_gpus": 2.0}
+    assert resources(spec(cores=[0, 1, 2])) == {"num_cpus": 3.0, "num_gpus": 0.0}
+    assert resources(spec(num_threads=2)) == {"num_cpus": 2.0, "num_gpus": 0.0}
 
 
 def test_ray_needs_the_tcp_transport(pair_paths):
-    with pytest.raises(ValueError, match="launcher 'ray' .* set transport: tcp"):
+    with pytest.raises(ValueError, match="start: ray .* set transport: tcp"):
         GroupConfig.from_dict({**group(pair_paths, "ray"), "transport": "ipc"})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed here")
 def test_without_ray_the_error_says_what_to_install():
     with pytest.raises(ValueError, match=r"pip install 'tokenrouter\[ray\]'"):
-        connect({"address": "auto"})
+        connect(RayConfig(address="auto"))
 
 
 # Ray turns 127.0.0.1 into the machine's outward address unless told it is not a cluster (its switch for
