@@ -13,6 +13,7 @@ from routing_utils import build_pair, find_seed, group_dict
 
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.runtime.entry import SubserverDied
+from tokenrouter.runtime.reassembly import TokenOut
 from tokenrouter.sampling_params import SamplingParams
 
 P = 0.3
@@ -69,7 +70,7 @@ def test_killed_subserver_raises_and_leaves_no_process(paths, victim):
 
         def poll_then_kill(timeout: float = 0.1):
             events = real_poll(timeout)
-            seen["tokens"] += sum(ev.kind == "token" for ev in events)
+            seen["tokens"] += sum(isinstance(ev, TokenOut) for ev in events)
             if seen["killed_at"] is None and seen["tokens"] >= 8:  # mid-run: tokens are flowing
                 os.kill(pid, signal.SIGKILL)
                 seen["killed_at"] = time.monotonic()
