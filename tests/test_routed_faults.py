@@ -104,7 +104,7 @@ def test_clean_shutdown_leaves_no_process(paths):
         assert run.handoffs == 0 and run.tokens_per_model == {"small": 10, "large": 0}
         assert run.mean_pending_seconds == 0.0
         procs = dict(llm.entry.procs)
-        folder = llm.entry._dir
+        folder = llm.entry.pool.dir
         assert all(p.is_alive() for p in procs.values())
     for name, proc in procs.items():
         assert not proc.is_alive() and gone(proc.pid), f"{name} survived the context manager"

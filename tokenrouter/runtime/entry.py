@@ -131,10 +131,6 @@ class Entry:
         return self.pool.keys
 
     @property
-    def _dir(self) -> str:
-        return self.pool.dir
-
-    @property
     def context_len(self) -> int:
         return self.rules.context_len
 
@@ -150,9 +146,6 @@ class Entry:
     @property
     def reserved(self) -> dict[str, int]:
         return self.admission.reserved
-
-    def _send(self, model: str, msg: Any) -> None:
-        self.pool.send(model, msg)
 
     # ---- start-up ------------------------------------------------------------------------------
     def _check_one_vocabulary(self) -> None:
