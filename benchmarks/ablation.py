@@ -57,7 +57,7 @@ def closed_loop(entry: Entry, n: int, b: int, prompts, params) -> OfflineResult:
     to the running subserver (as the entry's online planner sends it), so one group serves many runs.
     It holds for every live count (capped at the count): a table keyed at n alone would launch eagerly
     whenever a finish dips the count below n before the next admission."""
-    entry._send("large", SetThresholds({1: b}))
+    entry.pool.send("large", SetThresholds({1: b}))
     return run_closed_loop(entry, prompts, params, concurrency=n, seed=1)
 
 

@@ -13,6 +13,7 @@ from routing_utils import build_pair, find_seed, group_dict
 
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.runtime.entry import SubserverDied
+from tokenrouter.runtime.reassembly import TokenOut
 from tokenrouter.sampling_params import SamplingParams
 
 P = 0.3
@@ -69,7 +70,7 @@ def test_killed_subserver_raises_and_leaves_no_process(paths, victim):
 
         def poll_then_kill(timeout: float = 0.1):
             events = real_poll(timeout)
-            seen["tokens"] += sum(ev.kind == "token" for ev in events)
+            seen["tokens"] += sum(isinstance(ev, TokenOut) for ev in events)
             if seen["killed_at"] is None and seen["tokens"] >= 8:  # mid-run: tokens are flowing
                 os.kill(pid, signal.SIGKILL)
                 seen["killed_at"] = time.monotonic()
@@ -103,7 +104,7 @@ def test_clean_shutdown_leaves_no_process(paths):
         assert run.handoffs == 0 and run.tokens_per_model == {"small": 10, "large": 0}
         assert run.mean_pending_seconds == 0.0
         procs = dict(llm.entry.procs)
-        folder = llm.entry._dir
+        folder = llm.entry.pool.dir
         assert all(p.is_alive() for p in procs.values())
     for name, proc in procs.items():
         assert not proc.is_alive() and gone(proc.pid), f"{name} survived the context manager"

@@ -15,6 +15,7 @@ from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenrouter.runtime.entry import Entry, EntryReq
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats
+from tokenrouter.runtime.reassembly import Done
 from tokenrouter.sampling_params import SamplingParams
 
 
@@ -84,7 +85,7 @@ class RoutedLLM:
                     if timeout is not None and time.monotonic() - start > timeout:
                         raise TimeoutError(f"generate did not finish within {timeout} s")
                     events = self.entry.poll(0.05)
-                    bar.update(sum(ev.kind == "finished" for ev in events))
+                    bar.update(sum(isinstance(ev, Done) for ev in events))
         except BaseException:
             for r in reqs:
                 if not r.done:
@@ -103,21 +104,21 @@ class RoutedLLM:
         return RunStats(tokens, handoffs, seconds / periods if periods else 0.0, wall)
 
     def _output(self, req: EntryReq, prompt: str | None) -> RequestOutput:
-        text = req.text if req.text is not None else self.entry.tokenizer.decode(req.output, skip_special_tokens=True)
+        out = req.out
+        ids = out.output
+        text = out.text if out.text is not None else self.entry.tokenizer.decode(ids, skip_special_tokens=True)
+        scored = [t for t in out.tokens if t.logprob is not None]
         logprobs = None
-        if req.params.logprobs is not None:
-            logprobs = [{t: lp, **top} for t, lp, top in zip(req.output, req.logprobs, req.top_logprobs)]
+        if req.plan.params.logprobs is not None:
+            logprobs = [{t.token: t.logprob, **(t.top_logprobs or {})} for t in scored]
         completion = CompletionOutput(
-            index=0, text=text, token_ids=list(req.output), finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=logprobs,
-            cumulative_logprob=sum(req.logprobs) if req.logprobs else None, token_models=list(req.models))
-        metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=req.first_token_time,
+            index=0, text=text, token_ids=ids, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            logprobs=logprobs, cumulative_logprob=sum(t.logprob for t in scored) if scored else None,
+            token_models=[t.model for t in out.tokens])
+        metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=out.first_token_time,
                                  finished_time=req.finish_time, num_cached_tokens=None,
                                  num_computed_tokens=None, num_preemptions=None)
-        counts: dict[str, int] = {}
-        for m in req.models:
-            counts[m] = counts.get(m, 0) + 1
-        extra = {"tokens_per_model": counts, "handoffs": req.handoffs}
+        extra = {"tokens_per_model": out.tokens_per_model(), "handoffs": out.handoffs}
         if req.error is not None:
             extra["error"] = req.error
-        return RequestOutput(req.rid, prompt, list(req.prompt_ids), [completion], req.done, metrics, extra)
+        return RequestOutput(req.rid, prompt, list(req.plan.prompt_ids), [completion], req.done, metrics, extra)

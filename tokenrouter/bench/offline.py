@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 
 from tokenrouter.runtime.entry import Entry, EntryReq
+from tokenrouter.runtime.reassembly import Done
 from tokenrouter.sampling_params import SamplingParams
 
 
@@ -54,8 +55,8 @@ def run_closed_loop(entry: Entry, prompts: list[list[int]], params: SamplingPara
             req = entry.add(ids, p)
             live[req.rid] = (req, time.perf_counter())
         for ev in entry.poll(0.01):
-            if ev.kind == "finished" and ev.req.rid in live:
-                req, t0 = live.pop(ev.req.rid)
+            if isinstance(ev, Done) and ev.rid in live:
+                req, t0 = live.pop(ev.rid)
                 if req.error is not None:
                     raise RuntimeError(f"request failed: {req.error}")
                 done.append((req, time.perf_counter() - t0))
@@ -68,15 +69,15 @@ def run_closed_loop(entry: Entry, prompts: list[list[int]], params: SamplingPara
     wall = time.perf_counter() - start
     per_model: dict[str, int] = {}
     for req, _ in done:
-        for m in req.models:
-            per_model[m] = per_model.get(m, 0) + 1
+        for m, n in req.out.tokens_per_model().items():
+            per_model[m] = per_model.get(m, 0) + n
     return OfflineResult(
-        output_tokens=sum(len(r.output) for r, _ in done), wall_seconds=wall,
-        latencies=[lat for _, lat in done], per_user=[len(r.output) / lat for r, lat in done if lat > 0],
+        output_tokens=sum(len(r.out.tokens) for r, _ in done), wall_seconds=wall,
+        latencies=[lat for _, lat in done], per_user=[len(r.out.tokens) / lat for r, lat in done if lat > 0],
         tokens_per_model=per_model,
         steady_window=(warm[0], steady_end[0]) if warm and steady_end and steady_end[0] > warm[0] else (0.0, 0.0),
         steady_tokens=steady_end[1] - warm[1] if warm and steady_end and steady_end[0] > warm[0] else 0)
 
 
 def _written(live: dict[str, tuple[EntryReq, float]], done: list[tuple[EntryReq, float]]) -> int:
-    return sum(len(r.output) for r, _ in live.values()) + sum(len(r.output) for r, _ in done)
+    return sum(len(r.out.tokens) for r, _ in live.values()) + sum(len(r.out.tokens) for r, _ in done)

@@ -19,7 +19,9 @@ from tokenrouter.engine.model_loader import load_model
 from tokenrouter.engine.model_runner import ModelRunner, StepOutput, StepOutputSpec
 from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.request_validation import validate_prompt
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.engine.stop_strings import find_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
 from tokenrouter.models.attention.registry import make_backend
@@ -168,15 +170,7 @@ class Engine:
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming what is wrong with a request; touches no state."""
         params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt is empty: a request needs at least one token")
-        vocab = self.model_config.vocab_size
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens, but the context is {self.max_model_len} tokens "
-                "(the prompt must leave room for at least one output token)")
+        validate_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
 
@@ -288,25 +282,13 @@ class Engine:
         if det is not None:
             new = det.add([tok])
             if p.stop and new:
-                hit = self._find_stop(det.text, len(new), p.stop)
+                hit = find_stop(det.text, len(new), p.stop, p.include_stop_str_in_output)
                 if hit is not None:
-                    pos, stop = hit
-                    det.text = det.text[:pos + (len(stop) if p.include_stop_str_in_output else 0)]
-                    return "stop", stop
+                    det.text = hit.text
+                    return "stop", hit.stop
         if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
             return "length", None
         return None
-
-    @staticmethod
-    def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for s in stops:
-            # Only a match that overlaps the new text can be new.
-            start = max(0, len(text) - num_new - len(s) + 1)
-            pos = text.find(s, start)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
-        return best
 
     def _finish(self, req: Req, reason: str, stop: int | str | None = None) -> None:
         req.finish_reason = reason

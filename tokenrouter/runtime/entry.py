@@ -1,194 +1,155 @@
-"""The entry: starts the subservers, admits requests, and reassembles their tokens in order.
+"""The entry: the client side of a routed group. No HTTP: the offline API and the server both drive it.
 
-The client loop: new requests and aborts go out to the subservers; committed tokens (each with its
-absolute position and the model that wrote it) and finishes come back. Tokens from different models
-may arrive out of order, so each request keeps a small buffer keyed by position. Stop strings are
-detected here, where the whole text is, and end the request everywhere. No HTTP: the offline API and
-the server both drive this class.
+It composes parts kept one file each: the SubserverPool (the processes and the sockets to them),
+admission (a request is checked once into an AdmittedPlan, which waits in the AdmissionQueue for
+room in every KV pool it may need), the Reassembly of each request's tokens (in position order,
+with stop strings and text release), and the launch planner. New requests and aborts go out to the subservers; committed
+tokens (each with its absolute position and the model that wrote it) and finishes come back and
+leave as TokenOut and Done events.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
-import math
-import multiprocessing as mp
-import os
-import shutil
-import tempfile
 import time
-import uuid
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import msgspec
-import zmq
-
-from tokenrouter.engine.latency_model import StepLatency, create_flags
-from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
-from tokenrouter.runtime.connection_watch import ConnectionWatch
+from tokenrouter.runtime.admission import AdmissionQueue, AdmissionRules, AdmittedPlan
 from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.launch_planner import make_planner
 from tokenrouter.runtime.messages import (
     Abort,
     Active,
     AddReq,
     Finished,
-    Join,
     Ready,
     ReqError,
     SetThresholds,
-    Shutdown,
     Stats,
     StatsQuery,
-    TokenEvent,
     Tokens,
-    Topology,
-    decode,
-    encode,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
 from tokenrouter.runtime.placement import plan_placement
-from tokenrouter.runtime.remote.join_desk import JoinDesk, JoinedSubserver
+from tokenrouter.runtime.reassembly import Done, Reassembly, TokenOut
 from tokenrouter.runtime.remote.remote_subserver import RemoteSubserver
-from tokenrouter.runtime.subserver import subserver_main
-from tokenrouter.runtime.transport_security import secure_client, secure_server, start_authenticator
+from tokenrouter.runtime.subserver_pool import SubserverDied, SubserverPool
 from tokenrouter.sampling_params import SamplingParams
+
+__all__ = ["Entry", "EntryReq", "SubserverDied"]
 
 logger = logging.getLogger(__name__)
 
 
-class SubserverDied(RuntimeError):
-    """A subserver process exited or failed; the group cannot go on."""
-
-
 @dataclass(eq=False)
 class EntryReq:
+    """One request at the entry: its plan, its output as reassembled, and how it ended."""
+
     rid: str  # the caller's id
     wire: str  # the id on the wire: unique per admission, so a reused rid never meets stale messages
-    prompt_ids: list[int]
-    params: SamplingParams  # as the client sent them (stop strings included)
-    seed: int
-    max_tokens: int  # capped by the group's context
-    reserve: dict[str, int]  # KV tokens reserved on each model the request may visit (none for one model)
-    output: list[int] = field(default_factory=list)
-    models: list[str] = field(default_factory=list)  # who wrote each output token
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] = field(default_factory=list)
-    buffer: dict[int, tuple[TokenEvent, str]] = field(default_factory=dict)
-    final: Finished | None = None
+    plan: AdmittedPlan
+    out: Reassembly
+    final: Finished | None = None  # the subservers' finish, once it came
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
-    detok: IncrementalDetokenizer | None = None
-    text: str | None = None  # final text when a stop string cut it
     admitted: bool = False
-    released: int = 0  # characters of text already handed out as deltas
     arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
     finish_time: float | None = None
-
-    @property
-    def next_pos(self) -> int:
-        return len(self.prompt_ids) + len(self.output)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    @property
-    def handoffs(self) -> int:
-        return sum(a != b for a, b in zip(self.models, self.models[1:]))
-
-
-class EntryEvent(NamedTuple):
-    kind: str  # "token" or "finished"
-    req: EntryReq
-    token: int | None = None
-    model: str | None = None
-    text: str = ""  # newly released text (detokenizing entries only; never a broken character)
+    def done_event(self, text: str = "") -> Done:
+        return self.out.done(self.finish_reason or "stop", self.stop_reason, self.error, text)
 
 
 class Entry:
-    """Owns the subserver processes and the request table; raises SubserverDied when one dies."""
+    """Owns the subservers and the request table; raises SubserverDied when one dies."""
 
     def __init__(self, group: GroupConfig, detokenize: bool = False) -> None:
-        """`detokenize`: release text deltas with token events (streaming servers). Text that could
-        still become a stop string is held back until it cannot."""
+        """`detokenize`: release text with token events (streaming servers). Text that could still
+        become a stop string is held back until it cannot."""
+        # Fixes co-located models' KV budgets before they start: the planned group, and what to log.
+        group, placement_lines = plan_placement(group)
         self.group = group
         self.detokenize = detokenize
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
         self.visit = self.algorithm.may_visit()
-        self._dir = tempfile.mkdtemp(prefix="tokenrouter-")
-        tag = uuid.uuid4().hex[:8]
-        if group.transport == "ipc":
-            self.bind_addresses = {n: f"ipc://{self._dir}/{n}-{tag}" for n in group.names}
-            entry_bind = f"ipc://{self._dir}/entry-{tag}"
-        else:
-            self.bind_addresses = {m.name: f"tcp://{m.host}:{m.port or '*'}" for m in group.models}
-            entry_bind = f"tcp://{group.entry_host}:{group.entry_port or '*'}"
-        self.ctx = zmq.Context()
-        self.keys = group.curve_keys()
-        self._auth = start_authenticator(self.ctx, self.keys) if self.keys else None
-        self.inbox = self.ctx.socket(zmq.PULL)
-        secure_server(self.inbox, self.keys)
-        self.inbox.bind(entry_bind)
-        self.entry_address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.outbox: dict[str, zmq.Socket] = {}  # connected as each subserver reports its address
-        self.procs: dict[str, Any] = {}  # the subservers spawned here (multiprocessing.Process)
-        self.remote: dict[str, RemoteSubserver] = {}  # joined or Ray-launched ones
-        self.joins: JoinDesk | None = None
-        self.info: dict[str, Ready] = {}
+        self.pool = SubserverPool(group)
         self.reqs: dict[str, EntryReq] = {}  # by caller's rid
         self._by_wire: dict[str, EntryReq] = {}
         self._wire_seq = 0
-        self.queue: list[EntryReq] = []
-        self.reserved = {n: 0 for n in group.names}
         self._next_rid = 0
         self._closed = False
-        self._last_liveness = 0.0
-        self._backlog: list[EntryEvent] = []
+        self._backlog: list[TokenOut | Done] = []
         self._stats: dict[str, Stats] = {}
         self._active_sent = 0
-        self._flags: Any = None
+        self.planner: PlannerController | None = None
         atexit.register(self.close)
         try:
             # Before the subservers: joiners are checked against the entry model's vocabulary.
             self.tokenizer = load_tokenizer(group.spec(self.algorithm.entry_model).engine.model_path)
             self.vocab_hash = vocab_hash(self.tokenizer)
-            self._start()
+            for line in placement_lines:
+                logger.info("%s", line)
+            self.pool.start(self.vocab_hash)
             self._check_one_vocabulary()
+            self.rules = AdmissionRules.from_ready(self.info, self.visit)
+            self.admission: AdmissionQueue[EntryReq] = AdmissionQueue(
+                {n: self.info[n].capacity_tokens for n in group.names})
+            self.planner = make_planner(group, self.info)
+            if self.planner is not None:
+                self.pool.send(group.names[1], SetThresholds(self.planner.table))
         except BaseException:
             self.close()
             raise
-        self.context_len = min(self.info[n].max_model_len for n in self.visit)
-        self.vocab_size = min(self.info[n].vocab_size for n in self.visit)
-        self.planner = self._make_planner()
 
-    def _make_planner(self) -> PlannerController | None:
-        """With launch policy "planner": plan the large model's B(n) from step latencies (a profile,
-        or the subservers' start-up measurements) and the routing probability seen online."""
-        launch = self.group.launch
-        if launch.policy != "planner":
-            return None
-        small, large = self.group.names
-        prof = self.group.planner_profile()
-        lat = {}
-        for name in (small, large):
-            if prof is not None:
-                lat[name] = prof.models[name]
-            elif self.info[name].latency is not None:
-                lat[name] = StepLatency.from_dict(self.info[name].latency)
-            else:
-                raise ValueError(f"no step latency for {name!r}: give the planner a profile")
-        n_max = launch.n_max or min(64, self.group.spec(small).engine.max_running_requests)
-        ctl = PlannerController(small, large, lambda b: lat[small](b, b), lambda b: lat[large](b, b),
-                                launch.alpha, n_max, p0=launch.p)
-        self._send(large, SetThresholds(ctl.table))
-        return ctl
+    # ---- the parts' state, for callers and tests ------------------------------------------------
+    @property
+    def info(self) -> dict[str, Ready]:
+        return self.pool.info
 
+    @property
+    def procs(self) -> dict[str, Any]:
+        return self.pool.procs
+
+    @property
+    def remote(self) -> dict[str, RemoteSubserver]:
+        return self.pool.remote
+
+    @property
+    def entry_address(self) -> str:
+        return self.pool.entry_address
+
+    @property
+    def keys(self) -> Any:
+        return self.pool.keys
+
+    @property
+    def context_len(self) -> int:
+        return self.rules.context_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.rules.vocab_size
+
+    @property
+    def queue(self) -> Any:
+        """Requests waiting for admission (a deque), oldest first."""
+        return self.admission.waiting
+
+    @property
+    def reserved(self) -> dict[str, int]:
+        return self.admission.reserved
+
+    # ---- start-up ------------------------------------------------------------------------------
     def _check_one_vocabulary(self) -> None:
         """Token ids travel between models, so every model a request may visit must share the vocabulary
         (each subserver reports a hash of its own, wherever it runs)."""
@@ -198,244 +159,80 @@ class Entry:
                     f"models {self.algorithm.entry_model!r} and {name!r} have different vocabularies; "
                     f"{self.algorithm.name} passes token ids between models, so they must share one tokenizer")
 
-    # ---- processes -------------------------------------------------------------------------
-    def _start(self) -> None:
-        spawn = mp.get_context("spawn")
-        # Fixes co-located models' KV budgets before they start: the group with those, and what to log.
-        self.group, lines = plan_placement(self.group)
-        for line in lines:
-            logger.info("%s", line)
-        group_dict = self.group.to_dict()
-        flags = None
-        if self.group.executor.latency:
-            self._flags = create_flags()  # co-located models' running flags, for interference
-            flags = self._flags.name
-        for spec in self.group.models:
-            if spec.start == "spawn":
-                proc = spawn.Process(
-                    target=subserver_main, name=f"tokenrouter-{spec.name}",
-                    args=(spec.name, group_dict, self.bind_addresses[spec.name], self.entry_address, os.getpid(),
-                          flags))
-                proc.start()
-                self.procs[spec.name] = proc
-            elif spec.start == "ray":
-                from tokenrouter.runtime.remote.ray_actor import RaySubserver
-
-                self.remote[spec.name] = RaySubserver(spec, group_dict, self.entry_address, self.group.ray)
-        joining = [m.name for m in self.group.models if m.start == "join"]
-        if joining:
-            self.joins = JoinDesk(self.group, self.ctx, self.keys, self.vocab_hash)
-            logger.info("waiting up to %.0f s for %s to join: on its host run `tokenrouter subserver --join %s "
-                        "--name NAME`", self.group.join_timeout, ", ".join(joining), self.entry_address)
-        started = time.monotonic()
-        while len(self.info) < len(self.group.models):
-            self._check_startup(started)
-            for msg in self._recv(timeout=0.2):
-                if isinstance(msg, Ready):
-                    self._ready(msg)
-                elif isinstance(msg, Join) and self.joins is not None:
-                    self.joins.handle(msg)
-                elif isinstance(msg, ReqError) and msg.rid is None:
-                    raise SubserverDied(f"subserver {msg.model!r} failed to start: {msg.message}")
-            self._check_alive(force=True)
-        topology = Topology({n: r.address for n, r in self.info.items()})
-        for name in self.group.names:
-            self._send(name, topology)
-        for name, r in self.info.items():
-            spec = self.group.spec(name)
-            logger.info("model %r (%s, %s): KV pool %d tokens in %d pages of %d, context %d, inbox %s", name,
-                        spec.start, spec.engine.device, r.capacity_tokens, r.capacity_tokens // r.page_size,
-                        r.page_size, r.max_model_len, r.address)
-
-    def _check_startup(self, started: float) -> None:
-        """Bounded waits: for joiners to join, then for every subserver to load its model."""
-        now = time.monotonic()
-        late = [n for n in self.group.names if n not in self.info and now - self._started_at(n, started)
-                > self.group.startup_timeout]
-        if late:
-            raise SubserverDied(f"subserver(s) {', '.join(late)} not ready after {self.group.startup_timeout:.0f} s")
-        if self.joins is not None and self.joins.waiting and now - started > self.group.join_timeout:
-            raise SubserverDied(
-                f"model(s) {', '.join(self.joins.waiting)} did not join within {self.group.join_timeout:.0f} s: "
-                f"on its host run `tokenrouter subserver --join {self.entry_address} --name NAME` with the "
-                "group's secret")
-
-    def _started_at(self, name: str, started: float) -> float:
-        if self.group.spec(name).start != "join":
-            return started
-        assert self.joins is not None
-        return self.joins.joined[name][0] if name in self.joins.joined else math.inf
-
-    def _ready(self, msg: Ready) -> None:
-        """Connect to a subserver that has loaded its model. A joined one is accepted only after its Join
-        passed the checks, and is watched through this connection (it is not our child)."""
-        start = self.group.spec(msg.model).start if msg.model in self.group.names else None
-        if start is None or msg.model in self.info or (
-                start == "join" and (self.joins is None or msg.model not in self.joins.joined)):
-            logger.warning("entry: ignored an unexpected Ready from %r at %s", msg.model, msg.address)
-            return
-        self.info[msg.model] = msg
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.LINGER, 500)
-        secure_client(sock, self.keys)
-        if start == "join":
-            self.remote[msg.model] = JoinedSubserver(msg.model, msg.address, ConnectionWatch(sock))
-        sock.connect(msg.address)
-        self.outbox[msg.model] = sock
-
-    def _check_alive(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_liveness < 0.5:
-            return
-        self._last_liveness = now
-        gone = [(n, f"subserver {n!r} (pid {p.pid}) exited with code {p.exitcode}")
-                for n, p in self.procs.items() if not p.is_alive()]
-        gone += [(n, why) for n, h in self.remote.items() if (why := h.failure()) is not None]
-        if gone:
-            # A crash report may be on its way; prefer its message to the bare exit code.
-            for msg in self._recv(timeout=0.2):
-                if isinstance(msg, ReqError) and msg.rid is None:
-                    raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
-            raise SubserverDied(gone[0][1])
-
-    def _recv(self, timeout: float) -> list[Any]:
-        msgs = []
-        if self.inbox.poll(int(timeout * 1000)):
-            while True:
-                try:
-                    data = self.inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    msgs.append(decode(data))
-                except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the entry
-                    logger.warning("entry: dropped an undecodable message (%d bytes): %s", len(data), e)
-        return msgs
-
-    def _send(self, model: str, msg: Any) -> None:
-        self.outbox[model].send(encode(msg), zmq.NOBLOCK)
-
-    # ---- requests --------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, int]:
-        """Raise ValueError naming what is wrong; else return the KV tokens to reserve per model.
-        Reads only constants, so any thread may call it."""
-        params.validate()
-        if not prompt_ids:
-            raise ValueError("prompt is empty: a request needs at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.context_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.context_len} tokens")
-        max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
-        reserve = {}
-        for name in self.visit:
-            page = self.info[name].page_size
-            reserve[name] = math.ceil((len(prompt_ids) + max_tokens) / page) * page
-            if reserve[name] > self.info[name].capacity_tokens:
-                raise ValueError(f"request needs {reserve[name]} tokens of KV on model {name!r}, "
-                                 f"whose pool holds {self.info[name].capacity_tokens}")
-        # A request that never leaves one model needs no reservation: that model's scheduler admits
-        # what fits and preempts (recompute) under pressure, as a single-model server does. Only
-        # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
-        return reserve if len(self.visit) > 1 else {}
-
+    # ---- requests ------------------------------------------------------------------------------
     def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
-        """Validate (ValueError naming the problem) and queue; admitted when every model it may
-        visit has room to reserve its whole KV footprint, so a hand-off never finds a peer full."""
-        reserve = self.validate(prompt_ids, params)
+        """Admit (ValueError naming the problem) and queue; see enqueue."""
+        return self.enqueue(self.rules.plan(prompt_ids, params), rid)
+
+    def enqueue(self, plan: AdmittedPlan, rid: str | None = None) -> EntryReq:
+        """Queue an admitted request; it starts once every model it may visit has room to reserve
+        its whole KV footprint, so a hand-off never finds a peer full."""
         if rid is None:
             rid = f"req-{self._next_rid}"
             self._next_rid += 1
         if rid in self.reqs:
             raise ValueError(f"request id {rid!r} is already in use")
-        max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._wire_seq += 1
-        req = EntryReq(rid, f"{rid}#{self._wire_seq}", list(prompt_ids), params, seed, max_tokens, reserve)
-        if params.stop or self.detokenize:
-            req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+        req = EntryReq(rid, f"{rid}#{self._wire_seq}", plan, Reassembly.of(rid, plan, self.tokenizer,
+                                                                           self.detokenize))
         self.reqs[rid] = req
         self._by_wire[req.wire] = req
-        self.queue.append(req)
+        self.admission.push(req)
         self._admit()
         return req
 
-    def _broadcast_active(self) -> None:
-        """Tell every subserver the group's live count (their launch thresholds depend on it)."""
-        n = len(self.reqs) - len(self.queue)
-        if n != self._active_sent:
-            self._active_sent = n
-            for name in self.group.names:
-                self._send(name, Active(n))
-
     def _admit(self) -> None:
         try:
-            self._admit_queued()
+            while (req := self.admission.pop_admissible()) is not None:
+                req.admitted = True
+                plan = req.plan
+                self.pool.send(self.algorithm.entry_model,
+                               AddReq(req.wire, plan.prompt_ids, plan.model_params(), plan.seed))
         finally:
             self._broadcast_active()
 
-    def _admit_queued(self) -> None:
-        while self.queue:
-            req = self.queue[0]
-            if any(self.reserved[n] + t > self.info[n].capacity_tokens for n, t in req.reserve.items()):
-                return
-            self.queue.pop(0)
-            for n, t in req.reserve.items():
-                self.reserved[n] += t
-            req.admitted = True
-            # Stop strings stay here; the models see the capped max_tokens.
-            sub = dataclasses.replace(req.params, stop=[], max_tokens=req.max_tokens)
-            self._send(self.algorithm.entry_model, AddReq(req.wire, req.prompt_ids, sub, req.seed))
+    def _broadcast_active(self) -> None:
+        """Tell every subserver the group's live count (their launch thresholds depend on it)."""
+        n = len(self.reqs) - len(self.admission.waiting)
+        if n != self._active_sent:
+            self._active_sent = n
+            self.pool.broadcast(Active(n))
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
-        if req is None:
-            return
-        self._end(req, "abort")
-
-    def end_with_error(self, rid: str, message: str) -> EntryReq | None:
-        req = self.reqs.get(rid)
-        return self._end_with_error(req, message) if req is not None else None
-
-    def _end_with_error(self, req: EntryReq, message: str) -> EntryReq:
-        req.error = message
-        self._end(req, "error")
-        return req
+        if req is not None:
+            self._end(req, "abort")
 
     def _end(self, req: EntryReq, reason: str, stop: int | str | None = None) -> None:
         """Finish req at the entry; tell every subserver to drop it unless one already finished it."""
         req.finish_reason, req.stop_reason = reason, stop
         req.finish_time = time.monotonic()
-        if req.detok is not None and req.text is None:
-            req.text = req.detok.text
+        req.out.finish()
         self.reqs.pop(req.rid, None)
         self._by_wire.pop(req.wire, None)
         if req.admitted:
-            for n, t in req.reserve.items():
-                self.reserved[n] -= t
+            self.admission.release(req)
             if req.final is None:
-                for name in self.group.names:
-                    self._send(name, Abort(req.wire))
-        elif req in self.queue:
-            self.queue.remove(req)
+                self.pool.broadcast(Abort(req.wire))
+        else:
+            self.admission.withdraw(req)
         self._admit()
 
-    def poll(self, timeout: float = 0.1) -> list[EntryEvent]:
-        """Events (tokens in position order, finishes) from the subservers."""
+    def poll(self, timeout: float = 0.1) -> list[TokenOut | Done]:
+        """Events from the subservers: each request's tokens in position order, then its Done."""
         if self._backlog:
             events, self._backlog = self._backlog, []
             return events + self._poll_once(0.0)
         return self._poll_once(timeout)
 
-    def _poll_once(self, timeout: float) -> list[EntryEvent]:
-        events: list[EntryEvent] = []
-        for msg in self._recv(timeout):
+    def _poll_once(self, timeout: float) -> list[TokenOut | Done]:
+        events: list[TokenOut | Done] = []
+        for msg in self.pool.recv(timeout):
             if isinstance(msg, Tokens):
                 for item in msg.items:
                     req = self._by_wire.get(item.rid)
-                    if req is not None and item.pos >= req.next_pos:
-                        req.buffer[item.pos] = (item, msg.model)
+                    if req is not None:
+                        req.out.put(item, msg.model)
                         self._advance(req, events)
             elif isinstance(msg, Finished):
                 req = self._by_wire.get(msg.rid)
@@ -447,63 +244,35 @@ class Entry:
                     raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
                 req = self._by_wire.get(msg.rid)
                 if req is not None:
-                    self._end_with_error(req, f"{msg.model}: {msg.message}")
-                    events.append(EntryEvent("finished", req))
+                    req.error = f"{msg.model}: {msg.message}"
+                    self._end(req, "error")
+                    events.append(req.done_event())
             elif isinstance(msg, Stats):
                 self._stats[msg.model] = msg
             # Wake carries nothing: another thread sends it to cut a poll short.
         if self.planner is not None:
             table = self.planner.poll()
             if table is not None:
-                self._send(self.group.names[1], SetThresholds(table))
-        self._check_alive()
+                self.pool.send(self.group.names[1], SetThresholds(table))
+        self.pool.check_alive()
         return events
 
-    def _advance(self, req: EntryReq, events: list[EntryEvent]) -> None:
-        while req.next_pos in req.buffer and not req.done:
-            item, model = req.buffer.pop(req.next_pos)
-            if self.planner is not None:
-                self.planner.observe(req.models[-1] if req.models else None, model)
-            req.output.append(item.token)
-            req.models.append(model)
-            if item.logprob is not None:
-                req.logprobs.append(item.logprob)
-                req.top_logprobs.append(item.top_logprobs or {})
-            if req.first_token_time is None:
-                req.first_token_time = time.monotonic()
-            if req.detok is not None and self._stop_string_hit(req, item.token):
-                events.append(EntryEvent("token", req, item.token, model, self._release(req)))
-                events.append(EntryEvent("finished", req))
-                return
-            events.append(EntryEvent("token", req, item.token, model, self._release(req)))
-        if req.final is not None and req.next_pos >= req.final.length and not req.done:
+    def _advance(self, req: EntryReq, events: list[TokenOut | Done]) -> None:
+        out = req.out
+        placed = len(out.tokens)
+        new = out.drain()
+        if self.planner is not None:
+            prev = out.tokens[placed - 1].model if placed else None
+            for tok in new:
+                self.planner.observe(prev, tok.model)
+                prev = tok.model
+        events.extend(new)
+        if out.stop is not None:
+            self._end(req, "stop", out.stop)
+            events.append(req.done_event())
+        elif req.final is not None and out.next_pos >= req.final.length:
             self._end(req, req.final.reason, req.final.stop_reason)
-            events.append(EntryEvent("finished", req, text=self._release(req)))
-
-    def _release(self, req: EntryReq) -> str:
-        """Text not yet handed out, less a tail that could still grow into a stop string."""
-        if not self.detokenize or req.detok is None:
-            return ""
-        text = req.text if req.text is not None else req.detok.text
-        hold = 0 if req.done else max((len(s) - 1 for s in req.params.stop), default=0)
-        end = max(req.released, len(text) - hold)
-        out, req.released = text[req.released:end], end
-        return out
-
-    def _stop_string_hit(self, req: EntryReq, token: int) -> bool:
-        assert req.detok is not None
-        new = req.detok.add([token])
-        if not new:
-            return False
-        text = req.detok.text
-        for stop in req.params.stop:
-            pos = text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))
-            if pos != -1:
-                keep = pos + (len(stop) if req.params.include_stop_str_in_output else 0)
-                req.text = text[:keep]
-                self._end(req, "stop", stop)
-                return True
-        return False
+            events.append(req.done_event(out.release()))
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
@@ -511,8 +280,7 @@ class Entry:
     def stats(self, timeout: float = 5.0) -> dict[str, Stats]:
         """Ask every subserver for its counters. Events that arrive meanwhile wait for the next poll."""
         self._stats = {}
-        for name in self.group.names:
-            self._send(name, StatsQuery())
+        self.pool.broadcast(StatsQuery())
         deadline = time.monotonic() + timeout
         while len(self._stats) < len(self.group.names):
             if time.monotonic() > deadline:
@@ -521,42 +289,11 @@ class Entry:
         return dict(self._stats)
 
     def close(self) -> None:
-        """Stop every subserver (Shutdown, then kill after a grace period) and free the sockets."""
+        """Stop every subserver and free the sockets; closing twice is harmless."""
         if self._closed:
             return
         self._closed = True
-        for name in self.outbox:
-            try:
-                self._send(name, Shutdown())
-            except zmq.ZMQError:
-                pass
-        for name, proc in self.procs.items():
-            if name not in self.outbox:
-                proc.terminate()  # never reported ready: nothing to drain
-        for name, handle in self.remote.items():
-            if name not in self.outbox:
-                handle.kill()
-        deadline = time.monotonic() + 5.0
-        for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for name, handle in self.remote.items():
-            if name in self.outbox and not handle.wait(max(0.0, deadline - time.monotonic())):
-                handle.kill()
-        for proc in self.procs.values():
-            if proc.is_alive():
-                proc.kill()
-                proc.join(2.0)
-        for handle in self.remote.values():
-            handle.close()
-        for sock in (self.inbox, *self.outbox.values()):
-            sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self.ctx.term()
-        if getattr(self, "planner", None) is not None:
+        self.pool.close()
+        if self.planner is not None:
             self.planner.close()
-        if self._flags is not None:
-            self._flags.close()
-            self._flags.unlink()
-        shutil.rmtree(self._dir, ignore_errors=True)
         atexit.unregister(self.close)

@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +17,8 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenrouter.engine.request_validation import InvalidRequest
+from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import (
@@ -129,24 +131,12 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         assert runtime.entry is not None
         return runtime.entry.context_len
 
-    def plan_tokens(n_prompt: int, max_tokens: int | None) -> int:
-        ctx = context_len()
-        if n_prompt == 0:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        if max_tokens is None:
-            max_tokens = ctx - n_prompt
-        if max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-        if n_prompt + max_tokens > ctx:
-            raise APIError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{n_prompt + max_tokens} tokens ({n_prompt} in the prompt, {max_tokens} in the "
-                                "completion). Please reduce the length of the prompt or completion.",
-                           param="max_tokens")
-        return max_tokens
-
-    def submit(ids: list[int], params: Any) -> _Gen:
+    # ---- admission: the request is checked once, by the runtime's rules, into the plan it runs ----
+    def submit(ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams]) -> _Gen:
         try:
-            return _Gen(runtime.submit(ids, params))
+            return _Gen(runtime.submit(runtime.admit(ids, max_tokens, sampling)))
+        except InvalidRequest as e:
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except EntryUnavailable as e:
@@ -272,8 +262,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         body: CompletionRequest = await parse(request, CompletionRequest)
         prompt = body.single_prompt()
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = plan_tokens(len(ids), body.max_tokens)
-        gen = submit(ids, body.sampling(max_tokens, body.logprobs))
+        gen = submit(ids, body.max_tokens, lambda cap: body.sampling(cap, body.logprobs))
         rid, created = gen.stream.rid, int(time.time())
         want_lp = body.logprobs is not None
 
@@ -303,8 +292,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
         logprobs = body.requested_logprobs()
-        max_tokens = plan_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
-        gen = submit(ids, body.sampling(max_tokens, logprobs))
+        gen = submit(ids, body.max_completion_tokens or body.max_tokens, lambda cap: body.sampling(cap, logprobs))
         rid, created = "chat" + gen.stream.rid, int(time.time())
         first = [True]
 

@@ -12,38 +12,23 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from tokenrouter.runtime.entry import Entry, EntryEvent, EntryReq, SubserverDied
+from tokenrouter.runtime.admission import AdmittedPlan
+from tokenrouter.runtime.entry import Entry, SubserverDied
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats, Wake, encode
+from tokenrouter.runtime.reassembly import Done, TokenOut
 from tokenrouter.runtime.transport_security import secure_client
 from tokenrouter.sampling_params import SamplingParams
 
+__all__ = ["AsyncEntry", "Done", "EntryUnavailable", "RequestStream", "TokenOut"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class TokenOut:
-    token: int
-    model: str
-    text: str
-    logprob: float | None
-    top_logprobs: dict[int, float] | None
-
-
-@dataclass
-class Done:
-    finish_reason: str
-    stop_reason: int | str | None
-    text: str  # the last released text
-    error: str | None
-    tokens_per_model: dict[str, int]
-    handoffs: int
-    fatal: bool = False  # the group failed (not this request): answer 503
 
 
 @dataclass
@@ -103,17 +88,23 @@ class AsyncEntry:
         self._wake_ctx.destroy(linger=0)
 
     # ---- commands from the event loop --------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; a bad one raises ValueError here (handlers answer 400). Its events
-        (TokenOut, then one Done) arrive on the stream's queue."""
+    def admit(self, prompt_ids: list[int], max_tokens: int | None,
+              sampling: Callable[[int], SamplingParams]) -> AdmittedPlan:
+        """Check a request once, by OpenAI's rules, against the group's limits (which are constants,
+        so this runs on the event loop); a bad one raises ValueError (handlers answer 400)."""
+        entry = self.entry
+        if entry is None:
+            raise EntryUnavailable(str(self._error) if self._error else "the routed group is not serving")
+        return entry.rules.plan_openai(prompt_ids, max_tokens, sampling)
+
+    def submit(self, plan: AdmittedPlan) -> RequestStream:
+        """Queue an admitted request. Its events (TokenOut, then one Done) arrive on the stream's queue."""
         if not self.healthy:
             raise EntryUnavailable(str(self._error) if self._error else "the routed group is not serving")
-        assert self.entry is not None
-        self.entry.validate(prompt_ids, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        stream = RequestStream(rid, len(prompt_ids))
+        stream = RequestStream(rid, len(plan.prompt_ids))
         self._streams[rid] = (stream, asyncio.get_running_loop())
-        self._commands.put(("add", rid, prompt_ids, params))
+        self._commands.put(("add", rid, plan))
         self._wake()
         return stream
 
@@ -128,7 +119,7 @@ class AsyncEntry:
         grace period."""
         rids = list(self._streams)
         for rid in rids:
-            self._post(rid, Done("error", None, "", message, {}, 0, fatal=True))
+            self._post(rid, Done(rid, "error", None, "", message, {}, 0, fatal=True))
             self.abort(rid)
         return len(rids)
 
@@ -210,13 +201,13 @@ class AsyncEntry:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt_ids, params = cmd
+                _, rid, plan = cmd
                 if rid not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    entry.add(prompt_ids, params, rid=rid)
+                    entry.enqueue(plan, rid=rid)
                 except ValueError as e:
-                    self._post(rid, Done("error", None, "", str(e), {}, 0))
+                    self._post(rid, Done(rid, "error", None, "", str(e), {}, 0))
             elif cmd[0] == "abort":
                 entry.abort(cmd[1])
             elif cmd[0] == "stats":
@@ -227,15 +218,10 @@ class AsyncEntry:
                 except BaseException as e:  # noqa: BLE001
                     loop.call_soon_threadsafe(_resolve, fut, None, e)
 
-    def _deliver(self, ev: EntryEvent) -> None:
-        req = ev.req
-        if ev.kind == "token":
-            lp = req.logprobs[-1] if req.params.logprobs is not None and req.logprobs else None
-            top = req.top_logprobs[-1] if lp is not None else None
-            self._post(req.rid, TokenOut(ev.token or 0, ev.model or "", ev.text, lp, top))
-        else:
-            self._post(req.rid, _done(req, ev.text))
-            self._streams.pop(req.rid, None)
+    def _deliver(self, ev: TokenOut | Done) -> None:
+        self._post(ev.rid, ev)
+        if isinstance(ev, Done):
+            self._streams.pop(ev.rid, None)
 
     def _post(self, rid: str, item: Any) -> None:
         entry = self._streams.get(rid)
@@ -249,15 +235,8 @@ class AsyncEntry:
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
-            self._post(rid, Done("error", None, "", message, {}, 0, fatal=True))
+            self._post(rid, Done(rid, "error", None, "", message, {}, 0, fatal=True))
         self._streams.clear()
-
-
-def _done(req: EntryReq, text: str) -> Done:
-    counts: dict[str, int] = {}
-    for m in req.models:
-        counts[m] = counts.get(m, 0) + 1
-    return Done(req.finish_reason or "stop", req.stop_reason, text, req.error, counts, req.handoffs)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

@@ -1,0 +1,37 @@
+"""Stop strings: where the first one in a growing output text ends it.
+
+One matcher for every place that stops on text: the single-model engine (its own detokenized output)
+and the routed entry (the whole text of a request that several models wrote). Swapping the algorithm
+(say, for one whose cost does not grow with the number of stop strings) happens here only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class StopHit(NamedTuple):
+    text: str  # the output text up to the stop string, and including it when asked
+    stop: str  # the stop string that matched
+
+
+def find_stop(text: str, num_new: int, stops: Sequence[str], include: bool) -> StopHit | None:
+    """The earliest stop string that overlaps the last `num_new` characters of `text` (an earlier
+    match would have been found when its text arrived); on a tie, the first in `stops`."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        start = max(0, len(text) - num_new - len(s) + 1)
+        pos = text.find(s, start)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, s)
+    if best is None:
+        return None
+    pos, stop = best
+    return StopHit(text[:pos + (len(stop) if include else 0)], stop)
+
+
+def held_back(stops: Sequence[str]) -> int:
+    """How many characters at the end of a streamed text could still grow into a stop string, so
+    must not be handed out yet."""
+    return max((len(s) - 1 for s in stops), default=0)

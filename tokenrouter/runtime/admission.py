@@ -1,0 +1,133 @@
+"""Admission: a request is checked once, where it enters, into an AdmittedPlan; the plan then waits in
+the AdmissionQueue until every model it may visit has room for its whole KV footprint.
+
+The group's limits are constants once its subservers are up, so planning needs no lock: the HTTP
+handlers plan on the event loop and hand the plan to the entry thread, which only queues it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from tokenrouter.engine.request_validation import InvalidRequest, validate_prompt
+from tokenrouter.runtime.messages import Ready
+from tokenrouter.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class AdmittedPlan:
+    """A request that passed admission: everything the entry needs to run it."""
+
+    prompt_ids: list[int]  # a copy of the caller's
+    params: SamplingParams  # the caller's, max_tokens resolved to the cap (stop strings included)
+    seed: int  # the caller's, or drawn here
+    reserve: dict[str, int]  # KV tokens to reserve on each model the request may visit (none for one model)
+
+    def model_params(self) -> SamplingParams:
+        """What the subservers see: stop strings are matched at the entry, where the whole text is."""
+        return dataclasses.replace(self.params, stop=[])
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    page_size: int
+    capacity_tokens: int
+
+
+@dataclass(frozen=True)
+class AdmissionRules:
+    """The group's limits on one request, read from the subservers' Ready reports."""
+
+    context_len: int  # the shortest context of the models a request may visit
+    vocab_size: int  # the smallest vocabulary of those models
+    pools: Mapping[str, PoolSize]  # the KV pool of each model a request may visit
+
+    @classmethod
+    def from_ready(cls, info: Mapping[str, Ready], visit: Sequence[str]) -> AdmissionRules:
+        return cls(min(info[n].max_model_len for n in visit), min(info[n].vocab_size for n in visit),
+                   {n: PoolSize(info[n].page_size, info[n].capacity_tokens) for n in visit})
+
+    def plan(self, prompt_ids: Sequence[int], params: SamplingParams) -> AdmittedPlan:
+        """The offline rule (vLLM's LLM): a max_tokens past the context is cut to fit it."""
+        return self._plan(prompt_ids, params.max_tokens, lambda cap: dataclasses.replace(params, max_tokens=cap),
+                          strict=False)
+
+    def plan_openai(self, prompt_ids: Sequence[int], max_tokens: int | None,
+                    sampling: Callable[[int], SamplingParams]) -> AdmittedPlan:
+        """OpenAI's rule: no max_tokens fills the context, and one past the context is an error.
+        `sampling` builds the request's SamplingParams once its max_tokens is known."""
+        return self._plan(prompt_ids, max_tokens, sampling, strict=True)
+
+    def _plan(self, prompt_ids: Sequence[int], requested: int | None, sampling: Callable[[int], SamplingParams],
+              strict: bool) -> AdmittedPlan:
+        """Raise ValueError (InvalidRequest where a request field is to blame) naming the problem."""
+        n, ctx = len(prompt_ids), self.context_len
+        if strict and requested is not None and n:
+            if requested < 1:
+                raise InvalidRequest(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+            if n + requested > ctx:
+                raise InvalidRequest(
+                    f"This model's maximum context length is {ctx} tokens. However, you requested {n + requested} "
+                    f"tokens ({n} in the prompt, {requested} in the completion). Please reduce the length of the "
+                    "prompt or completion.", "max_tokens")
+        validate_prompt(prompt_ids, self.vocab_size, ctx)
+        # The one place the output budget is decided: the models see this cap, never the context.
+        params = sampling(ctx - n if requested is None else min(requested, ctx - n))
+        reserve = {}
+        for name, pool in self.pools.items():
+            reserve[name] = math.ceil((n + params.max_tokens) / pool.page_size) * pool.page_size
+            if reserve[name] > pool.capacity_tokens:
+                raise InvalidRequest(f"request needs {reserve[name]} tokens of KV on model {name!r}, "
+                                     f"whose pool holds {pool.capacity_tokens}")
+        # A request that never leaves one model needs no reservation: that model's scheduler admits
+        # what fits and preempts (recompute) under pressure, as a single-model server does. Only
+        # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        return AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {})
+
+
+class Planned(Protocol):
+    plan: AdmittedPlan
+
+
+T = TypeVar("T", bound=Planned)
+
+
+class AdmissionQueue(Generic[T]):
+    """Requests wait here, first come first served, until every model they may visit has room to
+    reserve their whole KV footprint, so a hand-off never finds a peer full. Entry thread only."""
+
+    def __init__(self, capacity: Mapping[str, int]) -> None:
+        self.capacity = dict(capacity)
+        self.reserved = {n: 0 for n in capacity}  # KV tokens held by admitted requests, per model
+        self.waiting: deque[T] = deque()
+
+    def push(self, req: T) -> None:
+        self.waiting.append(req)
+
+    def pop_admissible(self) -> T | None:
+        """The first waiting request, its footprint now reserved, if every pool has room for it."""
+        if not self.waiting:
+            return None
+        reserve = self.waiting[0].plan.reserve
+        if any(self.reserved[n] + t > self.capacity[n] for n, t in reserve.items()):
+            return None
+        for n, t in reserve.items():
+            self.reserved[n] += t
+        return self.waiting.popleft()
+
+    def release(self, req: T) -> None:
+        """An admitted request ended: its footprint is free again."""
+        for n, t in req.plan.reserve.items():
+            self.reserved[n] -= t
+
+    def withdraw(self, req: T) -> None:
+        """A waiting request ended before it was admitted."""
+        if req in self.waiting:
+            self.waiting.remove(req)

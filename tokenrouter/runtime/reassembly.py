@@ -1,0 +1,136 @@
+"""Reassembly: a routed request's tokens come back from several models, each with its absolute
+position, possibly out of order. Here they are put back in order, detokenized, checked for stop
+strings (here, where the whole text is), and their text is released, less any tail that could still
+grow into a stop string.
+
+TokenOut and Done are the entry's only output shapes: the offline API, the benchmarks and the HTTP
+handlers all receive these.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from tokenrouter.engine.stop_strings import find_stop, held_back
+from tokenrouter.engine.tokenizer import IncrementalDetokenizer
+from tokenrouter.runtime.admission import AdmittedPlan
+from tokenrouter.runtime.messages import TokenEvent
+
+
+class TokenOut(NamedTuple):
+    """One output token of request `rid`, in position order."""
+
+    rid: str
+    token: int
+    model: str  # the model that wrote it
+    text: str  # text released with it (text-releasing entries only; never a broken character)
+    logprob: float | None = None  # when the request asked for logprobs
+    top_logprobs: dict[int, float] | None = None
+
+
+class Done(NamedTuple):
+    """The end of request `rid`: its last event."""
+
+    rid: str
+    finish_reason: str
+    stop_reason: int | str | None
+    text: str  # the last released text
+    error: str | None
+    tokens_per_model: dict[str, int]
+    handoffs: int
+    fatal: bool = False  # the group failed, not this request
+
+
+@dataclass(eq=False)
+class Reassembly:
+    """One request's output as it comes back."""
+
+    rid: str
+    prompt_len: int
+    stops: list[str]
+    include_stop: bool
+    detok: IncrementalDetokenizer | None  # with stop strings, or when text is released
+    release_text: bool
+    tokens: list[TokenOut] = field(default_factory=list)
+    buffer: dict[int, tuple[TokenEvent, str]] = field(default_factory=dict)  # by position, not yet in order
+    text: str | None = None  # the final text (cut by a stop string, or the whole once finished)
+    stop: str | None = None  # the stop string that ended the output
+    finished: bool = False
+    released: int = 0  # characters of text already handed out
+    first_token_time: float | None = None
+
+    @classmethod
+    def of(cls, rid: str, plan: AdmittedPlan, tokenizer: Any, release_text: bool) -> Reassembly:
+        p = plan.params
+        detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids) if p.stop or release_text else None
+        return cls(rid, len(plan.prompt_ids), p.stop, p.include_stop_str_in_output, detok, release_text)
+
+    @property
+    def next_pos(self) -> int:
+        return self.prompt_len + len(self.tokens)
+
+    @property
+    def output(self) -> list[int]:
+        return [t.token for t in self.tokens]
+
+    @property
+    def handoffs(self) -> int:
+        return sum(a.model != b.model for a, b in zip(self.tokens, self.tokens[1:]))
+
+    def tokens_per_model(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for t in self.tokens:
+            counts[t.model] = counts.get(t.model, 0) + 1
+        return counts
+
+    def put(self, item: TokenEvent, model: str) -> None:
+        """A token from `model`; one already placed (a position a model wrote again) is dropped."""
+        if item.pos >= self.next_pos:
+            self.buffer[item.pos] = (item, model)
+
+    def drain(self) -> list[TokenOut]:
+        """The tokens that are now in order, each with the text it releases; none past a stop string
+        (then `stop` is set and the output is finished)."""
+        out: list[TokenOut] = []
+        while not self.finished and self.next_pos in self.buffer:
+            item, model = self.buffer.pop(self.next_pos)
+            if self.first_token_time is None:
+                self.first_token_time = time.monotonic()
+            if self.detok is not None:
+                self._add_text(item.token)
+            top = (item.top_logprobs or {}) if item.logprob is not None else None
+            tok = TokenOut(self.rid, item.token, model, self.release(), item.logprob, top)
+            self.tokens.append(tok)
+            out.append(tok)
+        return out
+
+    def _add_text(self, token: int) -> None:
+        assert self.detok is not None
+        new = self.detok.add([token])
+        if not new or not self.stops:
+            return
+        hit = find_stop(self.detok.text, len(new), self.stops, self.include_stop)
+        if hit is not None:
+            self.text, self.stop = hit.text, hit.stop
+            self.finish()
+
+    def finish(self) -> None:
+        """No more tokens: the whole text is final (what release hands out next holds nothing back)."""
+        self.finished = True
+        if self.detok is not None and self.text is None:
+            self.text = self.detok.text
+
+    def release(self) -> str:
+        """Text not yet handed out, less a tail that could still grow into a stop string."""
+        if not self.release_text or self.detok is None:
+            return ""
+        text = self.text if self.text is not None else self.detok.text
+        hold = 0 if self.finished else held_back(self.stops)
+        end = max(self.released, len(text) - hold)
+        out, self.released = text[self.released:end], end
+        return out
+
+    def done(self, reason: str, stop_reason: int | str | None, error: str | None, text: str = "") -> Done:
+        return Done(self.rid, reason, stop_reason, text, error, self.tokens_per_model(), self.handoffs)
