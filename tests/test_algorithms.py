@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 
 import pytest
 import torch
@@ -218,8 +219,19 @@ def test_ensemble_three_models(trio):
     names = ("small", "medium", "large")
     prompts = prompts_of([3 + 5 * i for i in range(12)], seed=32)
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, seed=None)
-    outs, stats = run(group(trio, {"name": "ensemble", "weights": [0.5, 0.3, 0.2]}, names=names, paths=trio),
-                      prompts, params)
+    with RoutedLLM(group(trio, {"name": "ensemble", "weights": [0.5, 0.3, 0.2]}, names=names, paths=trio)) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+        stats = llm.last_run
+        # Every model frees every copy once the request ends, also a PENDING copy at a model the
+        # finisher never exchanged the request with (the finish is passed on along the hand-off path).
+        deadline = time.monotonic() + 10
+        while True:
+            left = {n: (s.live_requests, s.total_pages - s.free_pages - s.cached_pages)
+                    for n, s in llm.entry.stats().items()}
+            if all(v == (0, 0) for v in left.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert all(v == (0, 0) for v in left.values()), left
     counts = dict.fromkeys(names, 0)
     switches = total = 0
     for prompt, out in zip(prompts, outs):

@@ -214,7 +214,15 @@ class Subserver:
     def _receive(self, msg: Peer) -> None:
         peer = self.algorithm.receive(msg.req, self.name)
         rid = peer.rid
-        if peer.finished or rid in self.aborted:
+        if peer.finished:
+            # Pass the finish on to the other peers that hold a copy: with three or more models the
+            # finisher may never have exchanged this request with them (m1 -> m2 -> m3 finishes).
+            for other in self.known.get(rid, {}):
+                if other != msg.sender:
+                    self._send(self.to_peer[other], Peer(self.name, PeerReq(rid=rid, suffix=[], loc=0, finished=True)))
+            self._drop(rid)
+            return
+        if rid in self.aborted:
             self._drop(rid)
             return
         eng = self.engine
