@@ -20,6 +20,7 @@ from tokenrouter.engine.model_runner import ModelRunner, StepOutput, StepOutputS
 from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.engine.stop_strings import find_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
 from tokenrouter.models.attention.registry import make_backend
@@ -288,7 +289,7 @@ class Engine:
         if det is not None:
             new = det.add([tok])
             if p.stop and new:
-                hit = self._find_stop(det.text, len(new), p.stop)
+                hit = find_stop(det.text, len(new), p.stop)
                 if hit is not None:
                     pos, stop = hit
                     det.text = det.text[:pos + (len(stop) if p.include_stop_str_in_output else 0)]
@@ -296,17 +297,6 @@ class Engine:
         if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
             return "length", None
         return None
-
-    @staticmethod
-    def _find_stop(text: str, num_new: int, stops: list[str]) -> tuple[int, str] | None:
-        best: tuple[int, str] | None = None
-        for s in stops:
-            # Only a match that overlaps the new text can be new.
-            start = max(0, len(text) - num_new - len(s) + 1)
-            pos = text.find(s, start)
-            if pos != -1 and (best is None or pos < best[0]):
-                best = (pos, s)
-        return best
 
     def _finish(self, req: Req, reason: str, stop: int | str | None = None) -> None:
         req.finish_reason = reason

@@ -26,6 +26,7 @@ import msgspec
 import zmq
 
 from tokenrouter.engine.latency_model import StepLatency, create_flags
+from tokenrouter.engine.stop_strings import find_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
@@ -494,14 +495,13 @@ class Entry:
         if not new:
             return False
         text = req.detok.text
-        for stop in req.params.stop:
-            pos = text.find(stop, max(0, len(text) - len(new) - len(stop) + 1))
-            if pos != -1:
-                keep = pos + (len(stop) if req.params.include_stop_str_in_output else 0)
-                req.text = text[:keep]
-                self._end(req, "stop", stop)
-                return True
-        return False
+        hit = find_stop(text, len(new), req.params.stop)
+        if hit is None:
+            return False
+        pos, stop = hit
+        req.text = text[:pos + (len(stop) if req.params.include_stop_str_in_output else 0)]
+        self._end(req, "stop", stop)
+        return True
 
     def has_unfinished(self) -> bool:
         return bool(self.reqs)
