@@ -326,6 +326,10 @@ class Entry:
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         if len(prompt_ids) >= self.context_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.context_len} tokens")
+        try:  # it must fit the wire format (msgpack integers are 64-bit), or sending it would fail later
+            encode(AddReq("", prompt_ids, params, 0))
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"the request cannot be sent to the models: {e}") from None
         max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
         reserve = {}
         for name in self.visit:
