@@ -117,7 +117,8 @@ class OpenAIServer:
     def __init__(self, runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> None:
         self.runtime, self.tokenizer, self.cfg = runtime, tokenizer, cfg
         self.metrics = ServerMetrics()
-        # Tokenising a long prompt takes seconds: on the event loop it would stall every endpoint.
+        # Parsing a large body and tokenising a long prompt take seconds: on the event loop they would
+        # stall every endpoint.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenrouter-tokenize")
         self.specials = special_token_texts(tokenizer)
         self.token_text = functools.lru_cache(maxsize=65536)(lambda tok: tokenizer.decode([tok]))
@@ -175,7 +176,8 @@ class OpenAIServer:
             body += part
             if len(body) > limit:
                 raise APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
-        return parse_request(body, model, self.cfg.model_name, self.cfg.limits)
+        # Parsing and validating up to max_body_bytes of JSON takes long enough to stall the loop.
+        return await self.off_loop(lambda: parse_request(body, model, self.cfg.model_name, self.cfg.limits))
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
