@@ -65,7 +65,7 @@ class _Sampling(_Strict):
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # extension (vLLM, SGLang)
-    n: int = 1
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -80,7 +80,7 @@ class _Sampling(_Strict):
 
     def check_common(self, limits: RequestLimits) -> None:
         if self.n != 1:
-            raise APIError(400, "n is not supported: only n=1", param="n")
+            raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
