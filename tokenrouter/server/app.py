@@ -75,6 +75,7 @@ class _Gen:
         self.text = ""
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.abandoned = False
 
     async def events(self, timeout: float | None = None) -> AsyncIterator[TokenOut | Done]:
         """Events until Done; past `timeout` seconds from the start, raise TimeoutError."""
@@ -219,7 +220,10 @@ class OpenAIServer:
             m.ttft.observe(gen.first_token - gen.start)
 
     def abandon(self, gen: _Gen) -> None:
-        """The client went away or the time limit passed: abort on the group, count it."""
+        """The client went away or the time limit passed: abort on the group, count it (once)."""
+        if gen.abandoned:
+            return
+        gen.abandoned = True
         self.runtime.abort(gen.stream.rid)
         self.metrics.requests.labels("abort").inc()
 
