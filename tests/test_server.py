@@ -120,7 +120,7 @@ def test_chat_without_a_template_uses_chatml(tmp_path, pair_paths):
     import shutil
 
     from tokenrouter.engine.tokenizer import load_tokenizer
-    from tokenrouter.server.app import chat_prompt
+    from tokenrouter.server.chat import chat_prompt
 
     folder = tmp_path / "notemplate"
     shutil.copytree(pair_paths["small"], folder)

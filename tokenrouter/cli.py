@@ -220,13 +220,17 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
 
+    from tokenrouter.server.app import ServerConfig
+    from tokenrouter.server.protocol import RequestLimits
     from tokenrouter.server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group, name = group_from_args(args)
-    serve(group, host=args.host, port=args.port, api_key=args.api_key, model_name=name,  # type: ignore[arg-type]
-          grace_period=args.grace_period, log_level=args.log_level, restart_on_failure=args.restart_on_failure,
-          max_body_bytes=args.max_body_bytes, request_timeout=args.request_timeout)
+    limits = RequestLimits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars, args.max_stop_token_ids)
+    server_cfg = ServerConfig(name, args.api_key, args.max_body_bytes, args.request_timeout,  # type: ignore[arg-type]
+                              limits, args.tokenizer_threads, args.chat_special_tokens)
+    serve(group, server_cfg, host=args.host, port=args.port, grace_period=args.grace_period,  # type: ignore[arg-type]
+          log_level=args.log_level, restart_on_failure=args.restart_on_failure, header_timeout=args.header_timeout)
     return 0
 
 
@@ -285,6 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get 413")
     sv.add_argument("--request-timeout", type=float, default=None,
                     help="seconds a request may run before it is aborted (408)")
+    sv.add_argument("--max-prompt-chars", type=int, default=1 << 20,
+                    help="characters of prompt text (or token ids) a request may send; more get 400")
+    sv.add_argument("--max-stop-strings", type=int, default=16, help="stop strings per request; more get 400")
+    sv.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string; longer get 400")
+    sv.add_argument("--max-stop-token-ids", type=int, default=256, help="stop_token_ids per request; more get 400")
+    sv.add_argument("--tokenizer-threads", type=int, default=2,
+                    help="threads that tokenise prompts, off the event loop")
+    sv.add_argument("--header-timeout", type=float, default=10.0,
+                    help="seconds a connection may take to send a request's headers before it is closed")
+    sv.add_argument("--chat-special-tokens", choices=["escape", "allow"], default="escape",
+                    help="text in chat content that spells a special token (<|im_end|>, ...): 'escape' "
+                         "tokenises it as plain text; 'allow' lets it become the control token (as vLLM does)")
     sv.set_defaults(func=cmd_serve)
 
     pf = sub.add_parser("profile", help="measure a model's step latency into a latency profile (JSON)")

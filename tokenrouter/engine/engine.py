@@ -56,6 +56,15 @@ class EngineStats:
     finished: int = 0
 
 
+class StepFailed(RuntimeError):
+    """A step failed on some of its requests. Those are finished (reason "error", pages freed); the
+    rest of the batch keeps its place and runs again at the next step (uncommitted KV is rewritten)."""
+
+    def __init__(self, failed: list[Req], cause: BaseException) -> None:
+        super().__init__(f"the step failed on {len(failed)} request(s): {type(cause).__name__}: {cause}")
+        self.failed = failed
+
+
 class StepResult(NamedTuple):
     updated: list[Req]  # requests that got a token this step
     finished: list[Req]
@@ -230,7 +239,10 @@ class Engine:
         if batch is None:
             return None
         if self.tp is None:
-            out = self.runner.run(batch.reqs, batch.extend_lens)
+            try:
+                out = self.runner.run(batch.reqs, batch.extend_lens)
+            except Exception as e:
+                raise self._contain(batch.reqs, batch.extend_lens, e) from e
         else:
             try:
                 out = self.runner.run(batch.reqs, batch.extend_lens)
@@ -246,9 +258,28 @@ class Engine:
         self.stats.sampled_tokens += len(out.token_ids)
         return out
 
+    def _contain(self, reqs: list[Req], extend_lens: list[int], cause: Exception) -> StepFailed:
+        """Find the requests a failed step failed on by running each alone, and finish them with an
+        error; when none fails alone (the batch as a whole did), all of them."""
+        failed = []
+        if len(reqs) > 1:
+            for req, n in zip(reqs, extend_lens):
+                try:
+                    self.runner.run([req], [n])
+                except Exception:  # noqa: BLE001 - this request is one the step fails on
+                    failed.append(req)
+        for req in failed or reqs:
+            self._finish(req, "error")
+        return StepFailed(failed or list(reqs), cause)
+
     def step(self) -> StepResult:
-        """One step of single-model decoding: every sampled token is committed."""
-        out = self.forward_step()
+        """One step of single-model decoding: every sampled token is committed. Requests the step
+        failed on come back finished with reason "error"."""
+        try:
+            out = self.forward_step()
+        except StepFailed as e:
+            logger.error("%s", e)
+            return StepResult([], e.failed, None)
         if out is None:
             return StepResult([], [], None)
         now = time.monotonic()

@@ -1,8 +1,11 @@
 """Stop strings: where the first one in a growing output text ends it.
 
 One matcher for every place that stops on text: the single-model engine (its own detokenized output)
-and the routed entry (the whole text of a request that several models wrote). Swapping the algorithm
-(say, for one whose cost does not grow with the number of stop strings) happens here only.
+and the routed entry (the whole text of a request that several models wrote). A match that is new
+must end in the new characters, so it starts at most `len(stop) - 1` characters before them: only
+that tail is searched, and a token costs O(count x (longest + new characters)) whatever the text's
+length or the number of tokens so far. The server bounds the count and the length of stop strings
+(`--max-stop-strings`, `--max-stop-chars`), which bounds that cost.
 """
 
 from __future__ import annotations
@@ -19,10 +22,13 @@ class StopHit(NamedTuple):
 def find_stop(text: str, num_new: int, stops: Sequence[str], include: bool) -> StopHit | None:
     """The earliest stop string that overlaps the last `num_new` characters of `text` (an earlier
     match would have been found when its text arrived); on a tie, the first in `stops`."""
+    if num_new <= 0:
+        return None
     best: tuple[int, str] | None = None
     for s in stops:
-        start = max(0, len(text) - num_new - len(s) + 1)
-        pos = text.find(s, start)
+        if not s:
+            continue
+        pos = text.find(s, max(0, len(text) - num_new - len(s) + 1))
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, s)
     if best is None:

@@ -15,8 +15,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+import msgspec
+
 from tokenrouter.engine.request_validation import InvalidRequest, validate_prompt
-from tokenrouter.runtime.messages import Ready
+from tokenrouter.runtime.messages import AddReq, Ready, encode
 from tokenrouter.sampling_params import SamplingParams
 
 
@@ -89,7 +91,12 @@ class AdmissionRules:
         # what fits and preempts (recompute) under pressure, as a single-model server does. Only
         # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        return AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {})
+        plan = AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {})
+        try:  # it must fit the wire format (msgpack integers are 64-bit), or sending it would fail later
+            encode(AddReq("", plan.prompt_ids, plan.model_params(), seed))
+        except (OverflowError, TypeError, msgspec.EncodeError) as e:
+            raise ValueError(f"the request cannot be sent to the models: {e}") from None
+        return plan
 
 
 class Planned(Protocol):

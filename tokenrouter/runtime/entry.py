@@ -203,6 +203,13 @@ class Entry:
         if req is not None:
             self._end(req, "abort")
 
+    def fail(self, rid: str, message: str) -> None:
+        """End one request with an error, wherever it got to (queued or admitted)."""
+        req = self.reqs.get(rid)
+        if req is not None:
+            req.error = message
+            self._end(req, "error")
+
     def _end(self, req: EntryReq, reason: str, stop: int | str | None = None) -> None:
         """Finish req at the entry; tell every subserver to drop it unless one already finished it."""
         req.finish_reason, req.stop_reason = reason, stop

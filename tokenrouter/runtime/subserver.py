@@ -19,7 +19,7 @@ import msgspec
 import torch
 import zmq
 
-from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.engine import Engine, StepFailed
 from tokenrouter.engine.latency_model import InterferenceClock, LatencyModelRunner
 from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
 from tokenrouter.engine.lifetime import die_with_parent
@@ -171,7 +171,13 @@ class Subserver:
             except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
                 logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
                 continue
-            self._handle(msg)
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 - one request's message must not stop the model
+                rid = msg.req.rid if isinstance(msg, Peer) else getattr(msg, "rid", None)
+                logger.exception("%s: handling %s of request %s failed", self.name, type(msg).__name__, rid)
+                if rid is not None:
+                    self._fail(rid)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddReq):
@@ -203,6 +209,14 @@ class Subserver:
             self._send(self.to_entry, self.stats())
         elif isinstance(msg, Shutdown):
             self.running = False
+
+    def _fail(self, rid: str) -> None:
+        """End a request this model failed on: drop it here and tell the entry (which aborts it on
+        every peer). The cause is in this process's log, never in the message."""
+        if rid in self.engine.reqs:
+            self.engine.abort(rid)
+        self._drop(rid)
+        self._send(self.to_entry, ReqError(self.name, rid, f"the model {self.name!r} failed on this request"))
 
     def _drop(self, rid: str) -> None:
         self.engine.abort(rid)
@@ -250,7 +264,13 @@ class Subserver:
         """Run one step if the scheduler launches one; whether it did."""
         eng = self.engine
         t0 = time.perf_counter()
-        out = eng.forward_step()
+        try:
+            out = eng.forward_step()
+        except StepFailed as e:
+            logger.error("%s: %s", self.name, e, exc_info=e.__cause__)
+            for req in e.failed:
+                self._fail(req.rid)
+            return True
         if out is None:
             return False
         took = time.perf_counter() - t0
@@ -258,7 +278,13 @@ class Subserver:
         self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
         if not out.reqs:
             return True
-        routes = self.algorithm.route(self.name, out)
+        try:
+            routes = self.algorithm.route(self.name, out)
+        except Exception:  # noqa: BLE001 - the routing of these requests failed, not the model
+            logger.exception("%s: routing %d request(s) failed", self.name, len(out.reqs))
+            for req in out.reqs:
+                self._fail(req.rid)
+            return True
         now = time.monotonic()
         events: list[TokenEvent] = []
         finished: list[Req] = []

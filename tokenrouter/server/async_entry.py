@@ -178,7 +178,11 @@ class AsyncEntry:
                 while not self._stop.is_set():
                     self._run_commands(entry)
                     for ev in entry.poll(0.5):
-                        self._deliver(ev)
+                        try:
+                            self._deliver(ev)
+                        except Exception:  # noqa: BLE001 - one event's failure must not stop the thread
+                            logger.exception("entry thread: delivering an event of %s failed", ev.req.rid)
+                            self._fail(entry, ev.req.rid, "internal error while delivering the output")
             except SubserverDied as e:
                 logger.error("%s", e)
                 self._error = e
@@ -200,23 +204,45 @@ class AsyncEntry:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                _, rid, plan = cmd
-                if rid not in self._streams:
-                    continue  # aborted before it was added
-                try:
-                    entry.enqueue(plan, rid=rid)
-                except ValueError as e:
-                    self._post(rid, Done(rid, "error", None, "", str(e), {}, 0))
-            elif cmd[0] == "abort":
-                entry.abort(cmd[1])
-            elif cmd[0] == "stats":
-                _, fut, loop = cmd
-                try:
-                    result = entry.stats()
-                    loop.call_soon_threadsafe(_resolve, fut, result, None)
-                except BaseException as e:  # noqa: BLE001
-                    loop.call_soon_threadsafe(_resolve, fut, None, e)
+            try:
+                self._run_command(entry, cmd)
+            except SubserverDied:
+                raise
+            except Exception as e:  # noqa: BLE001 - one command's failure must not stop the thread
+                logger.exception("entry thread: the %r command failed", cmd[0])
+                if cmd[0] == "add":
+                    self._fail(entry, cmd[1], f"the request could not be started: {type(e).__name__}")
+
+    def _run_command(self, entry: Entry, cmd: tuple[Any, ...]) -> None:
+        if cmd[0] == "add":
+            _, rid, plan = cmd
+            if rid not in self._streams:
+                return  # aborted before it was added
+            try:
+                entry.enqueue(plan, rid=rid)
+            except ValueError as e:
+                self._post(rid, Done(rid, "error", None, "", str(e), {}, 0))
+                self._streams.pop(rid, None)
+        elif cmd[0] == "abort":
+            entry.abort(cmd[1])
+        elif cmd[0] == "stats":
+            _, fut, loop = cmd
+            try:
+                result = entry.stats()
+                loop.call_soon_threadsafe(_resolve, fut, result, None)
+            except BaseException as e:  # noqa: BLE001
+                loop.call_soon_threadsafe(_resolve, fut, None, e)
+
+    def _fail(self, entry: Entry, rid: str, message: str) -> None:
+        """End one request with an error, wherever it got to (queued, admitted, or not yet added)."""
+        try:
+            entry.fail(rid, message)
+        except SubserverDied:
+            raise
+        except Exception:  # noqa: BLE001 - the request's stream still gets its error below
+            logger.exception("entry thread: ending request %s failed", rid)
+        self._post(rid, Done(rid, "error", None, "", message, {}, 0))
+        self._streams.pop(rid, None)
 
     def _deliver(self, ev: TokenOut | Done) -> None:
         self._post(ev.rid, ev)

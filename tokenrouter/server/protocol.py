@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,6 +12,30 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenrouter.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+# Integers as the engine and the messages between processes carry them (msgpack int64, torch int64):
+# a larger value is refused here, naming the field, instead of failing deep inside a model process.
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+Count = Annotated[int, Field(ge=1, le=MAX_INT32)]
+# Below these a float32 underflows in the sampler; they mean "only the most likely token" anyway.
+MIN_TEMPERATURE = 1e-5  # a smaller positive temperature samples greedily
+MIN_TOP_P = 1e-6  # a smaller top_p keeps only the most likely token, as this one does
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Sizes a request may have (the server's --max-* flags); past them it is refused with 400."""
+
+    max_prompt_chars: int = 1 << 20  # characters of prompt text (all chat messages together)
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256  # characters per stop string
+    max_stop_token_ids: int = 256
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
 
 
 class APIError(Exception):
@@ -28,7 +53,7 @@ class APIError(Exception):
 class _Strict(BaseModel):
     # Strict: "5" is not an integer. Unknown fields are accepted and ignored, as OpenAI's own SDK
     # sends fields (user, metadata, ...) that change nothing here.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -36,36 +61,48 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    model: str
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM, SGLang)
-    n: int = 1
+    model: str = Field(max_length=256)
+    temperature: float | None = Field(None, ge=0.0, le=100.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # extension (vLLM, SGLang)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
-    seed: int | None = None
+    stop_token_ids: list[TokenId] | None = None  # extension
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     ignore_eos: bool = False  # extension
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
 
-    def check_common(self) -> None:
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def check_common(self, limits: RequestLimits) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        stops = self.stop_strings()
+        if len(stops) > limits.max_stop_strings:
+            raise APIError(400, f"stop: at most {limits.max_stop_strings} stop strings, got {len(stops)}",
+                           param="stop")
+        if any(not s or len(s) > limits.max_stop_chars for s in stops):
+            raise APIError(400, f"stop: each stop string must have 1 to {limits.max_stop_chars} characters",
+                           param="stop")
+        if len(self.stop_token_ids or ()) > limits.max_stop_token_ids:
+            raise APIError(400, f"stop_token_ids: at most {limits.max_stop_token_ids} ids", param="stop_token_ids")
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        temperature = 1.0 if self.temperature is None else self.temperature
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_p=1.0 if self.top_p is None else self.top_p,
+                temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
+                top_p=1.0 if self.top_p is None else max(self.top_p, MIN_TOP_P),
                 top_k=self.top_k or 0,
-                seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
+                seed=self.seed, stop=self.stop_strings(), stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
@@ -73,13 +110,13 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    max_tokens: Count | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     return_token_ids: bool = False  # extension (as vLLM): the choice carries its token ids
 
-    def single_prompt(self) -> str | list[int]:
+    def single_prompt(self, limits: RequestLimits) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -87,8 +124,9 @@ class CompletionRequest(_Sampling):
             p = p[0]  # type: ignore[assignment]
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        if len(p) > limits.max_prompt_chars:
+            raise APIError(400, f"prompt: at most {limits.max_prompt_chars} characters (or token ids), "
+                                f"got {len(p)}", param="prompt", code="prompt_too_long")
         return p  # type: ignore[return-value]
 
 
@@ -110,14 +148,21 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def texts(self, limits: RequestLimits) -> list[dict[str, str]]:
+        """The messages as {role, content} with text content, within the prompt-size limit."""
+        out = [{"role": m.role, "content": m.text()} for m in self.messages]
+        size = sum(len(m["content"]) for m in out)
+        if size > limits.max_prompt_chars:
+            raise APIError(400, f"messages: at most {limits.max_prompt_chars} characters in all, got {size}",
+                           param="messages", code="prompt_too_long")
+        return out
 
     def requested_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -131,21 +176,26 @@ def validation_message(exc: Any) -> tuple[str, str | None]:
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
 
 
-def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: str) -> Any:
+def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: str,
+                  limits: RequestLimits = RequestLimits()) -> Any:
     """A request body as `model`, for the model named `served_name`; APIError (400/404) otherwise."""
     try:
         json.loads(raw)
     except ValueError:
         raise APIError(400, "the request body is not valid JSON") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     try:
         req = model.model_validate_json(raw)
     except pydantic.ValidationError as e:
         msg, param = validation_message(e)
         raise APIError(400, msg, param=param) from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if req.model != served_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_name!r}",
                        param="model", code="model_not_found")
-    req.check_common()
+    req.check_common(limits)
     return req
 
 

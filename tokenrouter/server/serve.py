@@ -14,6 +14,7 @@ from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.server.app import ServerConfig, build_app
 from tokenrouter.server.async_entry import AsyncEntry
+from tokenrouter.server.http_protocol import HeaderTimeoutProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -61,23 +62,23 @@ class GracefulServer(uvicorn.Server):
             logger.warning("aborted %d request(s) still running at the end of the %g s grace period", n, grace)
 
 
-def serve(group: GroupConfig, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, grace_period: float = 30.0, log_level: str = "info",
-          restart_on_failure: bool = False, max_body_bytes: int = 8 << 20,
-          request_timeout: float | None = None) -> None:
+def serve(group: GroupConfig, server_cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
+          grace_period: float = 30.0, log_level: str = "info", restart_on_failure: bool = False,
+          header_timeout: float = 10.0) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish for up to
-    `grace_period` seconds (the rest are aborted), stop every subserver and return."""
+    `grace_period` seconds (the rest are aborted), stop every subserver and return. A connection that
+    has not sent a request's complete headers within `header_timeout` seconds is closed."""
+    protocol = HeaderTimeoutProtocol.with_header_timeout(header_timeout)
     runtime = AsyncEntry(group, restart_on_failure=restart_on_failure)
     runtime.start(timeout=group.startup_timeout + 10)
     try:
         assert runtime.entry is not None
         tokenizer = load_tokenizer(group.spec(runtime.entry.algorithm.entry_model).engine.model_path)
-        app = build_app(runtime, tokenizer, ServerConfig(model_name or group.name, api_key, max_body_bytes,
-                                                        request_timeout))
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        app = build_app(runtime, tokenizer, server_cfg)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                                 timeout_graceful_shutdown=grace_period, access_log=False)
         server = GracefulServer(config, runtime)
-        logger.info("serving %s (%s) on http://%s:%d", model_name or group.name, ", ".join(group.names), host, port)
+        logger.info("serving %s (%s) on http://%s:%d", server_cfg.model_name, ", ".join(group.names), host, port)
         server.run()
     finally:
         runtime.close()

@@ -11,7 +11,9 @@ Held-out CHAMP problems (champ.split) never reach any training step: `tokenroute
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -136,16 +138,32 @@ def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return dict(algo)
 
 
+@contextlib.contextmanager
+def preparation_lock(folder: Path) -> Iterator[None]:
+    """Held while the pair in `folder` (the cache) is made: two first runs at once (two servers, or a
+    server and `tokenrouter prepare`) would both train into the same folders. The second waits here,
+    then finds the pair made. An flock is released by the kernel if its holder dies."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "prepare.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None,
             threads: int | None = None) -> PreparedPair:
     """Make (or find) the default pair with its routers; see the module docstring. Training uses
-    `threads` torch threads (default: every core; serving processes run with one), restored after."""
+    `threads` torch threads (default: every core; serving processes run with one), restored after.
+    One preparation runs at a time per cache folder (preparation_lock)."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
-        return _prepare(settings or PrepareSettings(), progress, log)
+        with preparation_lock(cache_dir()):
+            return _prepare(settings or PrepareSettings(), progress, log)
     finally:
         torch.set_num_threads(before)
 
