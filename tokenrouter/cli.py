@@ -127,7 +127,8 @@ def load_group(args: argparse.Namespace) -> object:
     with the router's calibrated threshold."""
     import yaml
 
-    from tokenrouter.runtime.group_config import ROUTER_ALGORITHMS, GroupConfig
+    from tokenrouter.routing import algorithm_class
+    from tokenrouter.runtime.group_config import GroupConfig
 
     _refuse_per_model_flags(args)
     with open(args.config) as f:
@@ -142,11 +143,11 @@ def load_group(args: argparse.Namespace) -> object:
         params[key] = yaml.safe_load(value)  # numbers, lists and booleans as in the YAML file
     if args.algorithm and args.algorithm != algo.get("name", "single"):
         algo = {"name": args.algorithm}
-        if args.algorithm in ROUTER_ALGORITHMS and "router" not in params:
+        if algorithm_class(args.algorithm).needs_router and "router" not in params:
             algo = _known_router_section(args.algorithm, raw, args.config) or algo
     algo.update(params)
     name = algo.get("name", "single")
-    if name in ROUTER_ALGORITHMS and not algo.get("router"):
+    if algorithm_class(name).needs_router and not algo.get("router"):
         raise ValueError(f"algorithm {name} needs a trained {name} router, and the group of {args.config} "
                          f"knows none: give one with --algorithm-param router=PATH (a folder made by "
                          f"`tokenrouter train-router --kind {name}`)")
@@ -177,7 +178,8 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
 def add_group_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file of a routed group; overrides the engine flags")
     p.add_argument("--algorithm", default=None,
-                   help="with --config or the default pair: replace the group's routing algorithm")
+                   help="with --config or the default pair: replace the group's routing algorithm (a registered "
+                        "name, package.module:Class, or path/to/file.py:Class)")
     p.add_argument("--algorithm-param", action="append", metavar="KEY=VALUE",
                    help="with --config or the default pair: set an algorithm parameter (repeatable), "
                         "e.g. p=0.2 or tau=0.9")

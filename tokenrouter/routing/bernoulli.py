@@ -12,6 +12,7 @@ import torch
 
 from tokenrouter.engine.draws import uniform
 from tokenrouter.engine.model_runner import StepOutput
+from tokenrouter.routing.algorithm import unit_interval
 from tokenrouter.routing.deferral import DeferToLarge
 
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
@@ -19,6 +20,7 @@ _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 
 class Bernoulli(DeferToLarge):
     name = "bernoulli"
+    request_params = ("p",)
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)
@@ -26,7 +28,11 @@ class Bernoulli(DeferToLarge):
             raise ValueError(f"bernoulli: p must be in [0, 1], got {p}")
         self.p = float(p)
 
+    @classmethod
+    def check_request_value(cls, field: str, value: object) -> float:
+        return unit_interval(field, value)
+
     def defer(self, step: StepOutput) -> torch.Tensor:
         # The draw is for the position about to be written: len(tokens) before the token is committed.
         u = uniform([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], _STREAM)
-        return u < self.p
+        return u < self.request_values(step, "p", dtype=torch.float64)

@@ -73,6 +73,8 @@ class EntryReq:
     seed: int
     max_tokens: int  # capped by the group's context
     reserve: dict[str, int]  # KV tokens reserved on each model the request may visit (none for one model)
+    routing: dict[str, Any] = field(default_factory=dict)  # its routing parameters (resolve_request)
+    handoffs: int = 0  # hand-offs performed (PeerReqs sent), as the subservers report them
     output: list[int] = field(default_factory=list)
     models: list[str] = field(default_factory=list)  # who wrote each output token
     logprobs: list[float] = field(default_factory=list)
@@ -97,10 +99,6 @@ class EntryReq:
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
-
-    @property
-    def handoffs(self) -> int:
-        return sum(a != b for a, b in zip(self.models, self.models[1:]))
 
 
 class EntryEvent(NamedTuple):
@@ -315,10 +313,12 @@ class Entry:
         self.outbox[model].send(encode(msg), zmq.NOBLOCK)
 
     # ---- requests --------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> dict[str, int]:
-        """Raise ValueError naming what is wrong; else return the KV tokens to reserve per model.
-        Reads only constants, so any thread may call it."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams,
+                 routing: dict[str, Any] | None = None) -> dict[str, int]:
+        """Raise ValueError naming what is wrong (RoutingParamError for a bad routing parameter);
+        else return the KV tokens to reserve per model. Reads only constants, so any thread may call it."""
         params.validate()
+        self.algorithm.check_request_params(routing or {})
         if not prompt_ids:
             raise ValueError("prompt is empty: a request needs at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -338,10 +338,12 @@ class Entry:
         # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
         return reserve if len(self.visit) > 1 else {}
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
+    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+            routing: dict[str, Any] | None = None) -> EntryReq:
         """Validate (ValueError naming the problem) and queue; admitted when every model it may
-        visit has room to reserve its whole KV footprint, so a hand-off never finds a peer full."""
-        reserve = self.validate(prompt_ids, params)
+        visit has room to reserve its whole KV footprint, so a hand-off never finds a peer full.
+        `routing`: this request's overrides of the algorithm's per-request parameters."""
+        reserve = self.validate(prompt_ids, params, routing)
         if rid is None:
             rid = f"req-{self._next_rid}"
             self._next_rid += 1
@@ -350,7 +352,8 @@ class Entry:
         max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._wire_seq += 1
-        req = EntryReq(rid, f"{rid}#{self._wire_seq}", list(prompt_ids), params, seed, max_tokens, reserve)
+        req = EntryReq(rid, f"{rid}#{self._wire_seq}", list(prompt_ids), params, seed, max_tokens, reserve,
+                       self.algorithm.resolve_request(routing))
         if params.stop or self.detokenize:
             req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
         self.reqs[rid] = req
@@ -384,7 +387,7 @@ class Entry:
             req.admitted = True
             # Stop strings stay here; the models see the capped max_tokens.
             sub = dataclasses.replace(req.params, stop=[], max_tokens=req.max_tokens)
-            self._send(self.algorithm.entry_model, AddReq(req.wire, req.prompt_ids, sub, req.seed))
+            self._send(self.algorithm.entry_model, AddReq(req.wire, req.prompt_ids, sub, req.seed, req.routing))
 
     def abort(self, rid: str) -> None:
         req = self.reqs.get(rid)
@@ -430,6 +433,10 @@ class Entry:
         events: list[EntryEvent] = []
         for msg in self._recv(timeout):
             if isinstance(msg, Tokens):
+                for wire, n in msg.handoffs.items():
+                    req = self._by_wire.get(wire)
+                    if req is not None:
+                        req.handoffs = max(req.handoffs, n)
                 for item in msg.items:
                     req = self._by_wire.get(item.rid)
                     if req is not None and item.pos >= req.next_pos:
@@ -439,6 +446,7 @@ class Entry:
                 req = self._by_wire.get(msg.rid)
                 if req is not None:
                     req.final = msg
+                    req.handoffs = max(req.handoffs, msg.handoffs)
                     self._advance(req, events)
             elif isinstance(msg, ReqError):
                 if msg.rid is None:

@@ -11,11 +11,11 @@ from typing import Any
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.launch_policy import Thresholds, check_deadlock_free
+from tokenrouter.routing import absolute_spec, algorithm_class
 from tokenrouter.runtime.transport_security import CurveKeys, keys_from_secret
 
 LAUNCHERS = ("spawn", "join", "ray")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-ROUTER_ALGORITHMS = ("citer", "r2r", "co_llm")  # the algorithms that need a trained router folder
 
 
 @dataclass
@@ -61,6 +61,9 @@ class ModelSpec:
 @dataclass
 class GroupConfig:
     models: list[ModelSpec]
+    # The routing algorithm: a registered name (built-in, or an installed package's entry point in the
+    # group tokenrouter.algorithms), "package.module:Class", or "path/to/file.py:Class" (a relative
+    # path is made absolute against the working directory, so every process imports the same file).
     algorithm: str = "single"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     name: str = "tokenrouter"  # the model name the server answers to
@@ -110,10 +113,7 @@ class GroupConfig:
             if isinstance(m.tp_size, bool) or not isinstance(m.tp_size, int) or m.tp_size < 1:
                 raise ValueError(f"model {m.name!r}: tp_size must be an integer >= 1, got {m.tp_size!r}")
             self._check_placement(m)
-        unknown_kinds = sorted(set(self.routers) - set(ROUTER_ALGORITHMS))
-        if unknown_kinds:
-            raise ValueError(f"routers: unknown router kind(s) {', '.join(unknown_kinds)}; "
-                             f"known: {', '.join(ROUTER_ALGORITHMS)}")
+        self._check_algorithm()
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction < 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1), got {self.memory_fraction}")
         if not 0 <= self.entry_port <= 65535:
@@ -126,6 +126,19 @@ class GroupConfig:
             missing = sorted(set(self.names) - set(self.latency_profile().models))
             if missing:
                 raise ValueError(f"the latency profile has no step latency for model(s) {', '.join(missing)}")
+
+    def _check_algorithm(self) -> None:
+        """Import the algorithm's class here, so a bad spec fails before any subserver starts (its
+        parameters are checked when the entry builds it, also before)."""
+        self.algorithm = absolute_spec(self.algorithm)
+        algorithm_class(self.algorithm)
+        for kind in self.routers:
+            try:
+                needs = algorithm_class(kind).needs_router
+            except ValueError as e:
+                raise ValueError(f"routers: {e}") from None
+            if not needs:
+                raise ValueError(f"routers: algorithm {kind!r} reads no router folder")
 
     def _check_placement(self, m: ModelSpec) -> None:
         if m.launcher not in LAUNCHERS:

@@ -17,6 +17,7 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenrouter.routing import RoutingParamError
 from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import (
@@ -144,9 +145,11 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                            param="max_tokens")
         return max_tokens
 
-    def submit(ids: list[int], params: Any) -> _Gen:
+    def submit(ids: list[int], params: Any, routing: dict[str, Any] | None = None) -> _Gen:
         try:
-            return _Gen(runtime.submit(ids, params))
+            return _Gen(runtime.submit(ids, params, routing))
+        except RoutingParamError as e:
+            raise APIError(400, str(e), param=f"routing.{e.field}" if e.field else "routing") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except EntryUnavailable as e:
@@ -197,14 +200,16 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                 "total_tokens": gen.stream.prompt_len + n_out}
 
     def routing(gen: _Gen, writers: bool = False) -> dict[str, Any]:
-        """Tokens per model and hand-offs; with `writers`, the model that wrote each token too."""
+        """Tokens per model, hand-offs performed (PeerReqs sent) and the routing parameters used; with
+        `writers`, the model that wrote each token too."""
         if gen.done is not None and gen.done.tokens_per_model:
             per_model = gen.done.tokens_per_model
         else:
             per_model = {}
             for t in gen.tokens:
                 per_model[t.model] = per_model.get(t.model, 0) + 1
-        out: dict[str, Any] = {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0}
+        out: dict[str, Any] = {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0,
+                               "params": gen.done.routing if gen.done else {}}
         if writers:
             out["token_models"] = [t.model for t in gen.tokens]
         return out
@@ -273,7 +278,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         prompt = body.single_prompt()
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = plan_tokens(len(ids), body.max_tokens)
-        gen = submit(ids, body.sampling(max_tokens, body.logprobs))
+        gen = submit(ids, body.sampling(max_tokens, body.logprobs), body.routing)
         rid, created = gen.stream.rid, int(time.time())
         want_lp = body.logprobs is not None
 
@@ -304,7 +309,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         ids = tokenizer.encode(text, add_special_tokens=False)
         logprobs = body.requested_logprobs()
         max_tokens = plan_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
-        gen = submit(ids, body.sampling(max_tokens, logprobs))
+        gen = submit(ids, body.sampling(max_tokens, logprobs), body.routing)
         rid, created = "chat" + gen.stream.rid, int(time.time())
         first = [True]
 

@@ -44,6 +44,7 @@ class Done:
     tokens_per_model: dict[str, int]
     handoffs: int
     fatal: bool = False  # the group failed (not this request): answer 503
+    routing: dict[str, Any] = field(default_factory=dict)  # the routing parameters the request ran with
 
 
 @dataclass
@@ -103,17 +104,19 @@ class AsyncEntry:
         self._wake_ctx.destroy(linger=0)
 
     # ---- commands from the event loop --------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; a bad one raises ValueError here (handlers answer 400). Its events
-        (TokenOut, then one Done) arrive on the stream's queue."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               routing: dict[str, Any] | None = None) -> RequestStream:
+        """Queue a request (`routing`: its overrides of the algorithm's per-request parameters); a bad
+        one raises ValueError here (handlers answer 400). Its events (TokenOut, then one Done) arrive
+        on the stream's queue."""
         if not self.healthy:
             raise EntryUnavailable(str(self._error) if self._error else "the routed group is not serving")
         assert self.entry is not None
-        self.entry.validate(prompt_ids, params)
+        self.entry.validate(prompt_ids, params, routing)
         rid = f"cmpl-{uuid.uuid4().hex}"
         stream = RequestStream(rid, len(prompt_ids))
         self._streams[rid] = (stream, asyncio.get_running_loop())
-        self._commands.put(("add", rid, prompt_ids, params))
+        self._commands.put(("add", rid, prompt_ids, params, routing))
         self._wake()
         return stream
 
@@ -210,11 +213,11 @@ class AsyncEntry:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt_ids, params = cmd
+                _, rid, prompt_ids, params, routing = cmd
                 if rid not in self._streams:
                     continue  # aborted before it was added
                 try:
-                    entry.add(prompt_ids, params, rid=rid)
+                    entry.add(prompt_ids, params, rid=rid, routing=routing)
                 except ValueError as e:
                     self._post(rid, Done("error", None, "", str(e), {}, 0))
             elif cmd[0] == "abort":
@@ -257,7 +260,8 @@ def _done(req: EntryReq, text: str) -> Done:
     counts: dict[str, int] = {}
     for m in req.models:
         counts[m] = counts.get(m, 0) + 1
-    return Done(req.finish_reason or "stop", req.stop_reason, text, req.error, counts, req.handoffs)
+    return Done(req.finish_reason or "stop", req.stop_reason, text, req.error, counts, req.handoffs,
+                routing=req.routing)
 
 
 def _resolve(fut: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
