@@ -125,9 +125,11 @@ def load_group(args: argparse.Namespace) -> object:
     unless --algorithm-param router=PATH gives one: a prepared pair's router (prepared.json next to
     the config, e.g. the default pair) with its served threshold, else the config's `routers:` entry
     with the router's calibrated threshold."""
+    from pathlib import Path
+
     import yaml
 
-    from tokenrouter.routing import algorithm_class
+    from tokenrouter.routing import absolute_spec, algorithm_class
     from tokenrouter.runtime.group_config import GroupConfig
 
     _refuse_per_model_flags(args)
@@ -135,16 +137,19 @@ def load_group(args: argparse.Namespace) -> object:
         raw = yaml.safe_load(f) or {}
     algo = raw.get("algorithm", "single")
     algo = dict(algo) if isinstance(algo, dict) else {"name": algo}
+    # A relative file spec: from the config's folder in the config, from the working directory on the command line.
+    algo["name"] = absolute_spec(str(algo.get("name", "single")), Path(args.config).parent)
+    spec = absolute_spec(args.algorithm) if args.algorithm else None
     params = {}
     for item in args.algorithm_param or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--algorithm-param takes KEY=VALUE, got {item!r}")
         params[key] = yaml.safe_load(value)  # numbers, lists and booleans as in the YAML file
-    if args.algorithm and args.algorithm != algo.get("name", "single"):
-        algo = {"name": args.algorithm}
-        if algorithm_class(args.algorithm).needs_router and "router" not in params:
-            algo = _known_router_section(args.algorithm, raw, args.config) or algo
+    if spec and spec != algo["name"]:
+        algo = {"name": spec}
+        if algorithm_class(spec).needs_router and "router" not in params:
+            algo = _known_router_section(spec, raw, args.config) or algo
     algo.update(params)
     name = algo.get("name", "single")
     if algorithm_class(name).needs_router and not algo.get("router"):
@@ -152,7 +157,7 @@ def load_group(args: argparse.Namespace) -> object:
                          f"knows none: give one with --algorithm-param router=PATH (a folder made by "
                          f"`tokenrouter train-router --kind {name}`)")
     raw["algorithm"] = algo
-    return GroupConfig.from_dict(raw)
+    return GroupConfig.from_dict(raw, base=Path(args.config).parent)
 
 
 def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:

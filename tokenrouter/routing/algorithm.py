@@ -33,10 +33,10 @@ STAY = Route(None, True)
 
 
 class RoutingParamError(ValueError):
-    """A request's routing parameter is bad; `field` names it (the HTTP 400's `param`)."""
+    """A routing parameter is bad; `field` names it (an HTTP 400's `param` is routing.FIELD)."""
 
     def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"routing.{field}: {message}" if field else f"routing: {message}")
+        super().__init__(f"{field}: {message}" if field else message)
         self.field = field
 
 

@@ -208,7 +208,9 @@ class GroupConfig:
         return next(m for m in self.models if m.name == name)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GroupConfig:
+    def from_dict(cls, d: dict[str, Any], base: str | Path | None = None) -> GroupConfig:
+        """`base`: the folder a relative `path/to/file.py:Class` algorithm is found from (the YAML
+        file's, for from_yaml); the working directory by default."""
         known = {f.name for f in dataclasses.fields(ModelSpec)}
         models = []
         for i, m in enumerate(d.get("models") or []):
@@ -221,6 +223,8 @@ class GroupConfig:
         if isinstance(algo, dict):  # YAML style: algorithm: {name: bernoulli, p: 0.1}
             params.update({k: v for k, v in algo.items() if k != "name"})
             algo = algo.get("name", "single")
+        if isinstance(algo, str):
+            algo = absolute_spec(algo, base)
         rest = {k: v for k, v in d.items() if k not in ("models", "algorithm", "algorithm_params")}
         allowed = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(rest) - allowed)
@@ -232,7 +236,7 @@ class GroupConfig:
     def from_yaml(cls, path: str | Path) -> GroupConfig:
         import yaml
 
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {}, base=Path(path).parent)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
