@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -263,6 +264,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_router(args: argparse.Namespace) -> int:
+    from tokenrouter.routing.r2r_release import convert_r2r_router
+
+    folder = convert_r2r_router(args.checkpoint, args.out, args.r2r_config, args.small, args.large, args.threshold)
+    meta = json.loads((folder / "router.json").read_text())
+    print(f"wrote {folder}: an r2r router ({meta['source']['model_type']}), threshold {meta['threshold']}; "
+          f"serve it with algorithm: {{name: r2r, router: {folder}}}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -306,6 +317,16 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     pf.add_argument("--notes", default="", help="where the figures come from")
     pf.set_defaults(func=cmd_profile)
+
+    cr = sub.add_parser("convert-router", help="convert a router R2R's authors publish (thu-nics/R2R) to a router folder")
+    cr.add_argument("checkpoint", help="their router checkpoint (.pt; read with torch.load(weights_only=True))")
+    cr.add_argument("--out", required=True, help="the router folder to write (router.safetensors + router.json)")
+    cr.add_argument("--r2r-config", default=None, help="their per-pair config (config/SMALL+LARGE.yaml)")
+    cr.add_argument("--small", default=None, help="the small model's folder: the router then checks it at bind")
+    cr.add_argument("--large", default=None, help="the large model's folder: the router then checks it at bind")
+    cr.add_argument("--threshold", type=float, default=None,
+                    help="instead of the checkpoint's own (common_args.threshold, what R2R serves with)")
+    cr.set_defaults(func=cmd_convert_router)
 
     from tokenrouter.bench.cli import add_bench_parser
     from tokenrouter.planner.cli import add_plan_parser

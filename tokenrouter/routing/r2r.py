@@ -38,6 +38,10 @@ class R2R(HeadDeferral):
     def bind(self, model: str, engine: Engine) -> None:
         super().bind(model, engine)
         if model == self.small:
+            want, size = int(self.meta["arch"]["hidden_size"]), engine.model_config.hidden_size
+            if want != size:
+                raise ValueError(f"r2r router {self.router_path} reads hidden states of size {want}; "
+                                 f"small model {engine.cfg.model_path} has hidden size {size}")
             self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
 
     @torch.inference_mode()
