@@ -136,7 +136,7 @@ class GroupConfig:
             try:
                 needs = algorithm_class(kind).needs_router
             except ValueError as e:
-                raise ValueError(f"routers: {e}") from None
+                raise ValueError(f"routers: unknown router kind {kind!r} ({e})") from None
             if not needs:
                 raise ValueError(f"routers: algorithm {kind!r} reads no router folder")
 
