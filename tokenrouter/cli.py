@@ -318,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--notes", default="", help="where the figures come from")
     pf.set_defaults(func=cmd_profile)
 
-    cr = sub.add_parser("convert-router", help="convert a router R2R's authors publish (thu-nics/R2R) to a router folder")
+    cr = sub.add_parser("convert-router",
+                        help="convert a router R2R's authors publish (thu-nics/R2R) to a router folder")
     cr.add_argument("checkpoint", help="their router checkpoint (.pt; read with torch.load(weights_only=True))")
     cr.add_argument("--out", required=True, help="the router folder to write (router.safetensors + router.json)")
     cr.add_argument("--r2r-config", default=None, help="their per-pair config (config/SMALL+LARGE.yaml)")

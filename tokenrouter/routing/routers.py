@@ -129,7 +129,8 @@ class R2RReleasedRouter(nn.Module):
                  expansion_factor: int = 4, normalize_input: bool = False) -> None:
         super().__init__()
         self.hidden_size, self.top_k, self.embed_dim = hidden_size, top_k, embed_dim
-        self.hidden_dims, self.expansion_factor, self.normalize_input = list(hidden_dims), expansion_factor, normalize_input
+        self.hidden_dims, self.expansion_factor = list(hidden_dims), expansion_factor
+        self.normalize_input = normalize_input
         if normalize_input:
             self.layer_norm_hidden_states = nn.LayerNorm(hidden_size)
             self.layer_norm_token = nn.LayerNorm(embed_dim)
