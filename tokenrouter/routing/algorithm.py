@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
@@ -42,8 +41,7 @@ class RoutingParamError(ValueError):
 
 def unit_interval(field: str, value: Any) -> float:
     """`value` as a float in [0, 1], or RoutingParamError naming `field`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0 \
-            or math.isnan(float(value)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:  # NaN too
         raise RoutingParamError(field, f"must be a number in [0, 1], got {value!r}")
     return float(value)
 
