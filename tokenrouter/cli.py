@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -125,33 +126,39 @@ def load_group(args: argparse.Namespace) -> object:
     unless --algorithm-param router=PATH gives one: a prepared pair's router (prepared.json next to
     the config, e.g. the default pair) with its served threshold, else the config's `routers:` entry
     with the router's calibrated threshold."""
+    from pathlib import Path
+
     import yaml
 
-    from tokenrouter.runtime.group_config import ROUTER_ALGORITHMS, GroupConfig
+    from tokenrouter.routing import absolute_spec, algorithm_class
+    from tokenrouter.runtime.group_config import GroupConfig
 
     _refuse_per_model_flags(args)
     with open(args.config) as f:
         raw = yaml.safe_load(f) or {}
     algo = raw.get("algorithm", "single")
     algo = dict(algo) if isinstance(algo, dict) else {"name": algo}
+    # A relative file spec: from the config's folder in the config, from the working directory on the command line.
+    algo["name"] = absolute_spec(str(algo.get("name", "single")), Path(args.config).parent)
+    spec = absolute_spec(args.algorithm) if args.algorithm else None
     params = {}
     for item in args.algorithm_param or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"--algorithm-param takes KEY=VALUE, got {item!r}")
         params[key] = yaml.safe_load(value)  # numbers, lists and booleans as in the YAML file
-    if args.algorithm and args.algorithm != algo.get("name", "single"):
-        algo = {"name": args.algorithm}
-        if args.algorithm in ROUTER_ALGORITHMS and "router" not in params:
-            algo = _known_router_section(args.algorithm, raw, args.config) or algo
+    if spec and spec != algo["name"]:
+        algo = {"name": spec}
+        if algorithm_class(spec).needs_router and "router" not in params:
+            algo = _known_router_section(spec, raw, args.config) or algo
     algo.update(params)
     name = algo.get("name", "single")
-    if name in ROUTER_ALGORITHMS and not algo.get("router"):
+    if algorithm_class(name).needs_router and not algo.get("router"):
         raise ValueError(f"algorithm {name} needs a trained {name} router, and the group of {args.config} "
                          f"knows none: give one with --algorithm-param router=PATH (a folder made by "
                          f"`tokenrouter train-router --kind {name}`)")
     raw["algorithm"] = algo
-    return GroupConfig.from_dict(raw)
+    return GroupConfig.from_dict(raw, base=Path(args.config).parent)
 
 
 def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
@@ -177,7 +184,8 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
 def add_group_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file of a routed group; overrides the engine flags")
     p.add_argument("--algorithm", default=None,
-                   help="with --config or the default pair: replace the group's routing algorithm")
+                   help="with --config or the default pair: replace the group's routing algorithm (a registered "
+                        "name, package.module:Class, or path/to/file.py:Class)")
     p.add_argument("--algorithm-param", action="append", metavar="KEY=VALUE",
                    help="with --config or the default pair: set an algorithm parameter (repeatable), "
                         "e.g. p=0.2 or tau=0.9")
@@ -257,6 +265,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_router(args: argparse.Namespace) -> int:
+    from tokenrouter.routing.r2r_release import convert_r2r_router
+
+    folder = convert_r2r_router(args.checkpoint, args.out, args.r2r_config, args.small, args.large, args.threshold)
+    meta = json.loads((folder / "router.json").read_text())
+    print(f"wrote {folder}: an r2r router ({meta['source']['model_type']}), threshold {meta['threshold']}; "
+          f"serve it with algorithm: {{name: r2r, router: {folder}}}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenrouter", description="Token-level LLM routing server")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -312,6 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--steps", type=int, default=10, help="decode steps timed per batch size")
     pf.add_argument("--notes", default="", help="where the figures come from")
     pf.set_defaults(func=cmd_profile)
+
+    cr = sub.add_parser("convert-router",
+                        help="convert a router R2R's authors publish (thu-nics/R2R) to a router folder")
+    cr.add_argument("checkpoint", help="their router checkpoint (.pt; read with torch.load(weights_only=True))")
+    cr.add_argument("--out", required=True, help="the router folder to write (router.safetensors + router.json)")
+    cr.add_argument("--r2r-config", default=None, help="their per-pair config (config/SMALL+LARGE.yaml)")
+    cr.add_argument("--small", default=None, help="the small model's folder: the router then checks it at bind")
+    cr.add_argument("--large", default=None, help="the large model's folder: the router then checks it at bind")
+    cr.add_argument("--threshold", type=float, default=None,
+                    help="instead of the checkpoint's own (common_args.threshold, what R2R serves with)")
+    cr.set_defaults(func=cmd_convert_router)
 
     from tokenrouter.bench.cli import add_bench_parser
     from tokenrouter.planner.cli import add_plan_parser

@@ -65,19 +65,30 @@ class RoutedLLM:
         prompt_token_ids: list[list[int]] | None = None,
         use_tqdm: bool = True,
         timeout: float | None = None,
+        routing: dict[str, Any] | Sequence[dict[str, Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order. Raises SubserverDied if a
-        subserver fails, TimeoutError past `timeout` seconds (requests are aborted either way)."""
+        subserver fails, TimeoutError past `timeout` seconds (requests are aborted either way).
+
+        `routing`: overrides of the algorithm's per-request parameters (e.g. {"threshold": 0.3} for
+        R2R), one dict for every prompt or one per prompt; a bad one raises ValueError naming it.
+        Each output's `extra["routing"]` holds the parameters its request ran with."""
         requests = prepare_requests(prompts, prompt_token_ids, sampling_params, self.entry.tokenizer.encode)
         encoded = [(text, ids) for text, ids, _ in requests]
         plist = [sp for _, _, sp in requests]
+        if routing is None or isinstance(routing, dict):
+            per_prompt = [routing] * len(requests)
+        else:
+            per_prompt = list(routing)
+            if len(per_prompt) != len(requests):
+                raise ValueError(f"routing: {len(per_prompt)} entries for {len(requests)} prompts")
         before = self.entry.stats()
         start = time.monotonic()
         reqs: list[EntryReq] = []
         try:
-            for i, ((_, ids), sp) in enumerate(zip(encoded, plist)):
+            for i, ((_, ids), sp, overrides) in enumerate(zip(encoded, plist, per_prompt)):
                 try:
-                    reqs.append(self.entry.add(ids, sp))
+                    reqs.append(self.entry.add(ids, sp, routing=overrides))
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
             with tqdm(total=len(reqs), desc="generate", disable=not use_tqdm, unit="req") as bar:
@@ -118,7 +129,7 @@ class RoutedLLM:
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=out.first_token_time,
                                  finished_time=req.finish_time, num_cached_tokens=None,
                                  num_computed_tokens=None, num_preemptions=None)
-        extra = {"tokens_per_model": out.tokens_per_model(), "handoffs": out.handoffs}
+        extra = {"tokens_per_model": out.tokens_per_model(), "handoffs": out.handoffs, "routing": dict(req.plan.routing)}
         if req.error is not None:
             extra["error"] = req.error
         return RequestOutput(req.rid, prompt, list(req.plan.prompt_ids), [completion], req.done, metrics, extra)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+
+import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.engine.req import Req
@@ -28,6 +31,21 @@ class Route(NamedTuple):
 STAY = Route(None, True)
 
 
+class RoutingParamError(ValueError):
+    """A routing parameter is bad; `field` names it (an HTTP 400's `param` is routing.FIELD)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+def unit_interval(field: str, value: Any) -> float:
+    """`value` as a float in [0, 1], or RoutingParamError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:  # NaN too
+        raise RoutingParamError(field, f"must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 class RoutingAlgorithm(ABC):
     """A token-level routing algorithm over a named group of models.
 
@@ -40,9 +58,31 @@ class RoutingAlgorithm(ABC):
       receive(peer_req, model) -> the PeerReq to apply (default: accept as is).
     `outputs(model)` declares the step outputs route needs on that model; the runner computes
     only those. Every model named in a Route must be in `models`.
+
+    Each model's subserver holds its own instance (built from the same class and parameters), so
+    state an instance keeps is that model's. The request lifecycle on one model:
+      on_start(req) when the request first arrives on this model (a new request on the entry model,
+        a first hand-off on a peer), before any step of it, with params_of[req.rid] already set;
+      route/send/receive for its steps and hand-offs;
+      on_finish(req) exactly once when it ends on this model (finished here, finished on a peer,
+        aborted, or failed), after which params_of no longer holds it.
+    Both hooks are no-ops by default; an algorithm with per-request state creates it in on_start and
+    frees it in on_finish.
+
+    Per-request parameters: `request_params` names the constructor parameters a request may set for
+    itself (the `routing` object of an OpenAI request, or RoutedLLM's `routing=`). The instance keeps
+    each one's group value in the attribute of the same name (the default); `check_request_params`
+    validates a request's overrides (RoutingParamError naming the field); the runtime resolves them
+    once at the entry and gives every model the result in `params_of[rid]` ({name: value} for every
+    name of request_params). `request_values(step, name)` reads one of them for a whole step.
+
+    `needs_router`: the algorithm reads a trained router folder (its `router` parameter), so a group's
+    `routers:` section may name one for it by the algorithm's name.
     """
 
     name: ClassVar[str]
+    needs_router: ClassVar[bool] = False
+    request_params: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, models: list[str], **params: Any) -> None:
         if len(set(models)) != len(models) or not models:
@@ -50,6 +90,7 @@ class RoutingAlgorithm(ABC):
         if params:
             raise ValueError(f"{self.name}: unknown parameter(s) {', '.join(sorted(params))}")
         self.models = list(models)
+        self.params_of: dict[str, dict[str, Any]] = {}  # rid -> this request's routing parameters
 
     @property
     def entry_model(self) -> str:
@@ -75,3 +116,56 @@ class RoutingAlgorithm(ABC):
 
     def receive(self, peer: PeerReq, model: str) -> PeerReq:
         return peer
+
+    # ---- the request lifecycle -----------------------------------------------------------------
+    def on_start(self, req: Req) -> None:  # noqa: B027 - an optional hook
+        """`req` arrived on this model; create its per-request state here."""
+
+    def on_finish(self, req: Req) -> None:  # noqa: B027 - an optional hook
+        """`req` ended on this model (whatever the reason); free its per-request state here."""
+
+    def start(self, req: Req, params: Mapping[str, Any]) -> None:
+        """The runtime's call on a request's arrival: record its routing parameters, then on_start."""
+        self.params_of[req.rid] = dict(params) if params else self.request_defaults()
+        self.on_start(req)
+
+    def finish(self, req: Req) -> None:
+        """The runtime's call when a started request ends on this model: on_finish, then forget it."""
+        if req.rid in self.params_of:
+            try:
+                self.on_finish(req)
+            finally:
+                del self.params_of[req.rid]
+
+    # ---- per-request parameters ----------------------------------------------------------------
+    @classmethod
+    def check_request_params(cls, params: Mapping[str, Any]) -> dict[str, Any]:
+        """One request's overrides, validated and normalised; RoutingParamError names a bad field.
+        Subclasses check values by overriding check_request_value."""
+        if not isinstance(params, Mapping):
+            raise RoutingParamError("", f"must be an object of {cls.name}'s per-request parameters")
+        out = {}
+        for field, value in params.items():
+            if field not in cls.request_params:
+                takes = ", ".join(cls.request_params) or "none"
+                raise RoutingParamError(field, f"{cls.name} has no per-request parameter {field!r} (it takes: {takes})")
+            out[field] = cls.check_request_value(field, value)
+        return out
+
+    @classmethod
+    def check_request_value(cls, field: str, value: Any) -> Any:
+        return value
+
+    def request_defaults(self) -> dict[str, Any]:
+        """The group's value of every per-request parameter."""
+        return {field: getattr(self, field) for field in self.request_params}
+
+    def resolve_request(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        """A request's routing parameters: the group's defaults with its validated overrides."""
+        return {**self.request_defaults(), **self.check_request_params(overrides or {})}
+
+    def request_values(self, step: StepOutput, field: str, device: torch.device | str = "cpu",
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Per-request parameter `field` of each sampled request of `step`, as one tensor (compare it
+        with scores of the same dtype: a float64 draw against a float32 p would round p)."""
+        return torch.tensor([self.params_of[r.rid][field] for r in step.reqs], dtype=dtype, device=device)

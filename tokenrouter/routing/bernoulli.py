@@ -12,19 +12,22 @@ import torch
 
 from tokenrouter.engine.draws import uniform
 from tokenrouter.engine.model_runner import StepOutput
+from tokenrouter.routing.algorithm import unit_interval
 from tokenrouter.routing.deferral import DeferToLarge
 
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 
 
-def hands_off(seeds: list[int], positions: list[int], p: float) -> torch.Tensor:
+def hands_off(seeds: list[int], positions: list[int], p: float | torch.Tensor) -> torch.Tensor:
     """Which positions the second model writes: a pure function of (request seed, position), so the
-    standard-serving baseline and the tests make the same draws as the router."""
+    standard-serving baseline and the tests make the same draws as the router. `p`: one for all, or
+    one per position (float64, so a per-request p draws as the group's does)."""
     return uniform(seeds, positions, _STREAM) < p
 
 
 class Bernoulli(DeferToLarge):
     name = "bernoulli"
+    request_params = ("p",)
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)
@@ -32,6 +35,11 @@ class Bernoulli(DeferToLarge):
             raise ValueError(f"bernoulli: p must be in [0, 1], got {p}")
         self.p = float(p)
 
+    @classmethod
+    def check_request_value(cls, field: str, value: object) -> float:
+        return unit_interval(field, value)
+
     def defer(self, step: StepOutput) -> torch.Tensor:
         # The draw is for the position about to be written: len(tokens) before the token is committed.
-        return hands_off([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], self.p)
+        return hands_off([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs],
+                         self.request_values(step, "p", dtype=torch.float64))

@@ -6,11 +6,13 @@ from __future__ import annotations
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.routing.algorithm import unit_interval
 from tokenrouter.routing.deferral import HeadDeferral
 
 
 class CoLLM(HeadDeferral):
     name = "co_llm"
+    request_params = ("eta",)
 
     def __init__(self, models: list[str], router: str, eta: float | None = None) -> None:
         super().__init__(models, router)
@@ -18,10 +20,15 @@ class CoLLM(HeadDeferral):
         if not 0.0 <= self.eta <= 1.0:
             raise ValueError(f"co_llm: eta must be in [0, 1], got {eta}")
 
+    @classmethod
+    def check_request_value(cls, field: str, value: object) -> float:
+        return unit_interval(field, value)
+
     def outputs(self, model: str) -> StepOutputSpec:
         return StepOutputSpec(hidden=model == self.small)
 
     @torch.inference_mode()
     def defer(self, step: StepOutput) -> torch.Tensor:
         assert self.router is not None and step.hidden is not None
-        return torch.sigmoid(self.router.head(step.hidden)) > self.eta
+        p_defer = torch.sigmoid(self.router.head(step.hidden))
+        return p_defer > self.request_values(step, "eta", p_defer.device)

@@ -42,6 +42,8 @@ class HeadDeferral(DeferToLarge):
     Co-LLM). The head runs on the small model's subserver; both models must be the ones it was trained
     for, since it reads this pair's hidden states and tokens."""
 
+    needs_router = True
+
     def __init__(self, models: list[str], router: str) -> None:
         super().__init__(models)
         self.meta = router_meta(router, self.name)  # fails fast on a missing or wrong router folder

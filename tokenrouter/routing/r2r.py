@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.routing.algorithm import unit_interval
 from tokenrouter.routing.deferral import HeadDeferral
 
 if TYPE_CHECKING:
@@ -17,12 +18,17 @@ if TYPE_CHECKING:
 
 class R2R(HeadDeferral):
     name = "r2r"
+    request_params = ("threshold",)
 
     def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
         super().__init__(models, router)
         self.top_k = int(self.meta["arch"]["top_k"])
         self.threshold = float(threshold) if threshold is not None else float(self.meta["threshold"])
         self.embed: torch.Tensor | None = None
+
+    @classmethod
+    def check_request_value(cls, field: str, value: object) -> float:
+        return unit_interval(field, value)
 
     def outputs(self, model: str) -> StepOutputSpec:
         if model == self.small:
@@ -32,6 +38,10 @@ class R2R(HeadDeferral):
     def bind(self, model: str, engine: Engine) -> None:
         super().bind(model, engine)
         if model == self.small:
+            want, size = int(self.meta["arch"]["hidden_size"]), engine.model_config.hidden_size
+            if want != size:
+                raise ValueError(f"r2r router {self.router_path} reads hidden states of size {want}; "
+                                 f"small model {engine.cfg.model_path} has hidden size {size}")
             self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
 
     @torch.inference_mode()
@@ -40,4 +50,4 @@ class R2R(HeadDeferral):
         assert step.hidden is not None and step.top_logits is not None
         tokens = torch.tensor(step.token_ids, device=self.embed.device)
         score = torch.sigmoid(self.router.head(step.hidden, self.embed[tokens], step.top_logits[0]))
-        return score >= self.threshold
+        return score >= self.request_values(step, "threshold", score.device)

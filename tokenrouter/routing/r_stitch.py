@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, unit_interval
 
 if TYPE_CHECKING:
     from tokenrouter.engine.engine import Engine
@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 class RStitch(RoutingAlgorithm):
     name = "r_stitch"
+    request_params = ("tau",)
 
     def __init__(self, models: list[str], tau: float = 0.03) -> None:
         super().__init__(models)
@@ -29,6 +30,10 @@ class RStitch(RoutingAlgorithm):
         self.tau = float(tau)
         self.small, self.large = models
         self.log_vocab: dict[str, float] = {}
+
+    @classmethod
+    def check_request_value(cls, field: str, value: object) -> float:
+        return unit_interval(field, value)
 
     def outputs(self, model: str) -> StepOutputSpec:
         return StepOutputSpec(entropy=True)
@@ -42,8 +47,9 @@ class RStitch(RoutingAlgorithm):
 
     def route(self, model: str, step: StepOutput) -> list[Route]:
         h = self.normalised_entropy(model, step)
+        tau = self.request_values(step, "tau", h.device)
         if model == self.small:
             up = Route(self.large, keep=False)
-            return [up if x else STAY for x in (h >= self.tau).tolist()]
+            return [up if x else STAY for x in (h >= tau).tolist()]
         down = Route(self.small, keep=True)
-        return [down if x else STAY for x in (h < self.tau).tolist()]
+        return [down if x else STAY for x in (h < tau).tolist()]

@@ -83,6 +83,76 @@ class R2RRouter(nn.Module):
         return self.out(self.norm(self.body(self.inp(x)))).squeeze(-1)
 
 
+class _ReleasedBlock(nn.Module):
+    """One block of R2R's released routers: x -> proj(x) + MLP(LayerNorm(x)), where proj is a linear
+    map when the width changes and the identity otherwise (parameter names as in their checkpoints)."""
+
+    def __init__(self, dim_in: int, dim_out: int, expansion: int) -> None:
+        super().__init__()
+        self.layer_norm = nn.LayerNorm(dim_in)
+        # Their dropouts are Identity here (inference only); they keep the checkpoints' indices mlp.0, mlp.3.
+        self.mlp = nn.Sequential(nn.Linear(dim_in, dim_in * expansion), nn.GELU(), nn.Identity(),
+                                 nn.Linear(dim_in * expansion, dim_out), nn.Identity())
+        self.dim_change = nn.Linear(dim_in, dim_out) if dim_in != dim_out else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dim_change(x) + self.mlp(self.layer_norm(x))
+
+
+class _ReleasedBackbone(nn.Module):
+    def __init__(self, hidden_dims: list[int], expansion: int) -> None:
+        super().__init__()
+        dims = [*hidden_dims, hidden_dims[-1]]
+        self.input_projection = nn.Linear(dims[0], dims[0])
+        self.blocks = nn.ModuleList(_ReleasedBlock(dims[i], dims[i + 1], expansion) for i in range(len(hidden_dims)))
+        self.output_layer = nn.Sequential(nn.LayerNorm(dims[-1]), nn.Linear(dims[-1], 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.input_projection(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.output_layer(x)
+
+
+class R2RReleasedRouter(nn.Module):
+    """The routers R2R's authors publish (thu-nics/R2R, r2r/models/router.py,
+    HiddenStatesTokenLMHeadLogitsClassifier): [last hidden state, embedding of the sampled token,
+    projected top-k logits] -> linear -> linear -> blocks of widths `hidden_dims` -> LayerNorm -> one
+    logit. Same inputs and decision (sigmoid >= threshold) as R2RRouter, their layout; the token
+    embedding is the small model's own, as in their inference (it is not stored in their checkpoints).
+    Converted with `tokenrouter convert-router` (routing/r2r_release.py)."""
+
+    kind = "r2r"
+    layout = "thu-nics/R2R"
+
+    def __init__(self, hidden_size: int, top_k: int, embed_dim: int, hidden_dims: list[int],
+                 expansion_factor: int = 4, normalize_input: bool = False) -> None:
+        super().__init__()
+        self.hidden_size, self.top_k, self.embed_dim = hidden_size, top_k, embed_dim
+        self.hidden_dims, self.expansion_factor = list(hidden_dims), expansion_factor
+        self.normalize_input = normalize_input
+        if normalize_input:
+            self.layer_norm_hidden_states = nn.LayerNorm(hidden_size)
+            self.layer_norm_token = nn.LayerNorm(embed_dim)
+        self.logits_projection = nn.Linear(top_k, hidden_size)
+        self.combined_projection = nn.Linear(2 * hidden_size + embed_dim, self.hidden_dims[0])
+        self.backbone = _ReleasedBackbone(self.hidden_dims, expansion_factor)
+
+    def arch(self) -> dict[str, Any]:
+        return {"layout": self.layout, "hidden_size": self.hidden_size, "top_k": self.top_k,
+                "embed_dim": self.embed_dim, "hidden_dims": self.hidden_dims,
+                "expansion_factor": self.expansion_factor, "normalize_input": self.normalize_input}
+
+    def forward(self, hidden: torch.Tensor, token_emb: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+        hidden, token_emb, top_logits = hidden.float(), token_emb.float(), top_logits.float()
+        if self.normalize_input:
+            hidden = self.layer_norm_hidden_states(hidden)
+            token_emb = self.layer_norm_token(token_emb)
+            top_logits = torch.softmax(top_logits, dim=-1)
+        x = torch.cat([hidden, token_emb, self.logits_projection(top_logits)], dim=-1)
+        return self.backbone(self.combined_projection(x)).squeeze(-1)
+
+
 class DeferralHead(nn.Module):
     """Co-LLM: one extra 'defer' logit from the small model's last hidden state."""
 
@@ -100,6 +170,8 @@ class DeferralHead(nn.Module):
 
 
 ROUTER_KINDS: dict[str, type[nn.Module]] = {c.kind: c for c in (CiterRouter, R2RRouter, DeferralHead)}
+# Routers of a kind saved in another project's layout (router.json's arch.layout names it).
+ROUTER_LAYOUTS: dict[str, type[nn.Module]] = {R2RReleasedRouter.layout: R2RReleasedRouter}
 
 
 def model_fingerprint(config: dict[str, Any], embed: torch.Tensor) -> str:
@@ -183,9 +255,12 @@ def engine_fingerprint(engine: Any) -> str:
 def load_router(folder: str | Path, kind: str | None = None) -> LoadedRouter:
     folder = Path(folder)
     meta = router_meta(folder, kind)
-    cls = ROUTER_KINDS.get(meta.get("kind", ""))
+    arch = dict(meta["arch"])
+    layout = arch.pop("layout", None)
+    cls = ROUTER_LAYOUTS.get(layout) if layout is not None else ROUTER_KINDS.get(meta.get("kind", ""))
     if cls is None:
-        raise ValueError(f"{folder}: unknown router kind {meta.get('kind')!r}")
-    head = cls(**meta["arch"])
+        what = f"router layout {layout!r}" if layout is not None else f"router kind {meta.get('kind')!r}"
+        raise ValueError(f"{folder}: unknown {what}")
+    head = cls(**arch)
     head.load_state_dict(load_file(str(folder / "router.safetensors")))
     return LoadedRouter(head, meta, folder)

@@ -13,7 +13,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -30,6 +30,9 @@ class AdmittedPlan:
     params: SamplingParams  # the caller's, max_tokens resolved to the cap (stop strings included)
     seed: int  # the caller's, or drawn here
     reserve: dict[str, int]  # KV tokens to reserve on each model the request may visit (none for one model)
+    # Its routing parameters, resolved once here: the group's defaults with the request's overrides
+    # (RoutingAlgorithm.resolve_request); every model reads these.
+    routing: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def model_params(self) -> SamplingParams:
         """What the subservers see: stop strings are matched at the entry, where the whole text is."""
@@ -49,26 +52,35 @@ class AdmissionRules:
     context_len: int  # the shortest context of the models a request may visit
     vocab_size: int  # the smallest vocabulary of those models
     pools: Mapping[str, PoolSize]  # the KV pool of each model a request may visit
+    # The algorithm's resolve_request: a request's routing overrides, checked (RoutingParamError names
+    # a bad field) and merged with the group's defaults. None: the algorithm takes no parameters.
+    resolve_routing: Callable[[Mapping[str, Any] | None], dict[str, Any]] | None = None
 
     @classmethod
-    def from_ready(cls, info: Mapping[str, Ready], visit: Sequence[str]) -> AdmissionRules:
+    def from_ready(cls, info: Mapping[str, Ready], visit: Sequence[str],
+                   resolve_routing: Callable[[Mapping[str, Any] | None], dict[str, Any]] | None = None,
+                   ) -> AdmissionRules:
         return cls(min(info[n].max_model_len for n in visit), min(info[n].vocab_size for n in visit),
-                   {n: PoolSize(info[n].page_size, info[n].capacity_tokens) for n in visit})
+                   {n: PoolSize(info[n].page_size, info[n].capacity_tokens) for n in visit}, resolve_routing)
 
-    def plan(self, prompt_ids: Sequence[int], params: SamplingParams) -> AdmittedPlan:
+    def plan(self, prompt_ids: Sequence[int], params: SamplingParams,
+             routing: Mapping[str, Any] | None = None) -> AdmittedPlan:
         """The offline rule (vLLM's LLM): a max_tokens past the context is cut to fit it."""
         return self._plan(prompt_ids, params.max_tokens, lambda cap: dataclasses.replace(params, max_tokens=cap),
-                          strict=False)
+                          routing, strict=False)
 
     def plan_openai(self, prompt_ids: Sequence[int], max_tokens: int | None,
-                    sampling: Callable[[int], SamplingParams]) -> AdmittedPlan:
+                    sampling: Callable[[int], SamplingParams], routing: Mapping[str, Any] | None = None,
+                    ) -> AdmittedPlan:
         """OpenAI's rule: no max_tokens fills the context, and one past the context is an error.
         `sampling` builds the request's SamplingParams once its max_tokens is known."""
-        return self._plan(prompt_ids, max_tokens, sampling, strict=True)
+        return self._plan(prompt_ids, max_tokens, sampling, routing, strict=True)
 
     def _plan(self, prompt_ids: Sequence[int], requested: int | None, sampling: Callable[[int], SamplingParams],
-              strict: bool) -> AdmittedPlan:
-        """Raise ValueError (InvalidRequest where a request field is to blame) naming the problem."""
+              routing: Mapping[str, Any] | None, strict: bool) -> AdmittedPlan:
+        """Raise ValueError (InvalidRequest where a request field is to blame, RoutingParamError for
+        a routing parameter) naming the problem."""
+        resolved = self.resolve_routing(routing) if self.resolve_routing is not None else {}
         n, ctx = len(prompt_ids), self.context_len
         if strict and requested is not None and n:
             if requested < 1:
@@ -91,9 +103,9 @@ class AdmissionRules:
         # what fits and preempts (recompute) under pressure, as a single-model server does. Only
         # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        plan = AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {})
+        plan = AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {}, resolved)
         try:  # it must fit the wire format (msgpack integers are 64-bit), or sending it would fail later
-            encode(AddReq("", plan.prompt_ids, plan.model_params(), seed))
+            encode(AddReq("", plan.prompt_ids, plan.model_params(), seed, resolved))
         except (OverflowError, TypeError, msgspec.EncodeError) as e:
             raise ValueError(f"the request cannot be sent to the models: {e}") from None
         return plan

@@ -67,7 +67,7 @@ class EntryReq:
         return self.finish_reason is not None
 
     def done_event(self, text: str = "") -> Done:
-        return self.out.done(self.finish_reason or "stop", self.stop_reason, self.error, text)
+        return self.out.done(self.finish_reason or "stop", self.stop_reason, self.error, text, self.plan.routing)
 
 
 class Entry:
@@ -101,7 +101,7 @@ class Entry:
                 logger.info("%s", line)
             self.pool.start(self.vocab_hash)
             self._check_one_vocabulary()
-            self.rules = AdmissionRules.from_ready(self.info, self.visit)
+            self.rules = AdmissionRules.from_ready(self.info, self.visit, self.algorithm.resolve_request)
             self.admission: AdmissionQueue[EntryReq] = AdmissionQueue(
                 {n: self.info[n].capacity_tokens for n in group.names})
             self.planner = make_planner(group, self.info)
@@ -160,9 +160,11 @@ class Entry:
                     f"{self.algorithm.name} passes token ids between models, so they must share one tokenizer")
 
     # ---- requests ------------------------------------------------------------------------------
-    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None) -> EntryReq:
-        """Admit (ValueError naming the problem) and queue; see enqueue."""
-        return self.enqueue(self.rules.plan(prompt_ids, params), rid)
+    def add(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+            routing: dict[str, Any] | None = None) -> EntryReq:
+        """Admit (ValueError naming the problem) and queue; see enqueue. `routing`: this request's
+        overrides of the algorithm's per-request parameters."""
+        return self.enqueue(self.rules.plan(prompt_ids, params, routing), rid)
 
     def enqueue(self, plan: AdmittedPlan, rid: str | None = None) -> EntryReq:
         """Queue an admitted request; it starts once every model it may visit has room to reserve
@@ -187,7 +189,7 @@ class Entry:
                 req.admitted = True
                 plan = req.plan
                 self.pool.send(self.algorithm.entry_model,
-                               AddReq(req.wire, plan.prompt_ids, plan.model_params(), plan.seed))
+                               AddReq(req.wire, plan.prompt_ids, plan.model_params(), plan.seed, plan.routing))
         finally:
             self._broadcast_active()
 
@@ -236,6 +238,10 @@ class Entry:
         events: list[TokenOut | Done] = []
         for msg in self.pool.recv(timeout):
             if isinstance(msg, Tokens):
+                for wire, n in msg.handoffs.items():
+                    req = self._by_wire.get(wire)
+                    if req is not None:
+                        req.out.handoffs = max(req.out.handoffs, n)
                 for item in msg.items:
                     req = self._by_wire.get(item.rid)
                     if req is not None:
@@ -245,6 +251,7 @@ class Entry:
                 req = self._by_wire.get(msg.rid)
                 if req is not None:
                     req.final = msg
+                    req.out.handoffs = max(req.out.handoffs, msg.handoffs)
                     self._advance(req, events)
             elif isinstance(msg, ReqError):
                 if msg.rid is None:

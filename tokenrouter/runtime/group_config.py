@@ -19,6 +19,7 @@ from typing import Any
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.launch_policy import Thresholds, check_deadlock_free
+from tokenrouter.routing import absolute_spec, algorithm_class
 from tokenrouter.runtime.transport_security import CurveKeys, keys_from_secret
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,6 @@ STARTS = ("spawn", "join", "ray")  # who starts a model's subserver process
 LAUNCH_POLICIES = ("eager", "threshold", "planner")
 EXECUTOR_MODES = ("model", "latency")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-ROUTER_ALGORITHMS = ("citer", "r2r", "co_llm")  # the algorithms that need a trained router folder
 
 # A model's YAML entry is flat: ModelSpec's own fields next to its engine's (EngineConfig). Two engine
 # fields have shorter names there; the seed comes from the group's.
@@ -217,6 +217,9 @@ class ModelSpec:
 @dataclass(frozen=True)
 class GroupConfig:
     models: list[ModelSpec]
+    # The routing algorithm: a registered name (built-in, or an installed package's entry point in the
+    # group tokenrouter.algorithms), "package.module:Class", or "path/to/file.py:Class" (from_dict makes
+    # a relative path absolute, so every process imports the same file).
     algorithm: str = "single"
     algorithm_params: dict[str, Any] = field(default_factory=dict)
     name: str = "tokenrouter"  # the model name the server answers to
@@ -259,10 +262,7 @@ class GroupConfig:
             raise ValueError(f"models: model names must be distinct, got {names}")
         for i, m in enumerate(self.models):
             self._check_model(f"models[{i}]", m)
-        unknown_kinds = sorted(set(self.routers) - set(ROUTER_ALGORITHMS))
-        if unknown_kinds:
-            raise ValueError(f"routers: unknown router kind(s) {', '.join(unknown_kinds)}; "
-                             f"known: {', '.join(ROUTER_ALGORITHMS)}")
+        self._check_algorithm()
         if self.memory_fraction is not None and not 0.0 < self.memory_fraction < 1.0:
             raise ValueError(f"memory_fraction must be in (0, 1), got {self.memory_fraction}")
         if not 0 <= self.entry_port <= 65535:
@@ -295,6 +295,18 @@ class GroupConfig:
             raise ValueError(f"{where}.mem_fraction sizes one pool from what is free when it starts; with the "
                              "group's memory_fraction the entry splits the device, use kv_share")
 
+    def _check_algorithm(self) -> None:
+        """Import the algorithm's class here, so a bad spec fails before any subserver starts (its
+        parameters are checked when the entry builds it, also before)."""
+        algorithm_class(self.algorithm)
+        for kind in self.routers:
+            try:
+                needs = algorithm_class(kind).needs_router
+            except ValueError as e:
+                raise ValueError(f"routers: unknown router kind {kind!r} ({e})") from None
+            if not needs:
+                raise ValueError(f"routers: algorithm {kind!r} reads no router folder")
+
     def _check_launch(self) -> None:
         if self.launch.policy == "planner" and len(self.models) != 2:
             raise ValueError("launch.policy: the planner plans for two models (small first, large second)")
@@ -322,7 +334,9 @@ class GroupConfig:
         return next(m for m in self.models if m.name == name)
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> GroupConfig:
+    def from_dict(cls, d: Mapping[str, Any], base: str | Path | None = None) -> GroupConfig:
+        """`base`: the folder a relative `path/to/file.py:Class` algorithm is found from (the YAML
+        file's, for from_yaml); the working directory by default."""
         seed = _number("seed", d.get("seed", 0), int)
         models = [ModelSpec.from_dict(m, seed + i, f"models[{i}]") for i, m in enumerate(d.get("models") or [])]
         algo = d.get("algorithm", "single")
@@ -330,6 +344,8 @@ class GroupConfig:
         if isinstance(algo, dict):  # YAML style: algorithm: {name: bernoulli, p: 0.1}
             params.update({k: v for k, v in algo.items() if k != "name"})
             algo = algo.get("name", "single")
+        if isinstance(algo, str):
+            algo = absolute_spec(algo, base)
         sections = {"launch": LaunchConfig, "executor": ExecutorConfig, "ray": RayConfig}
         rest = {k: v for k, v in d.items() if k not in ("models", "algorithm", "algorithm_params", "seed")}
         _unknown("the group config", rest, {f.name for f in dataclasses.fields(cls)})
@@ -344,7 +360,7 @@ class GroupConfig:
     def from_yaml(cls, path: str | Path) -> GroupConfig:
         import yaml
 
-        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {})
+        return cls.from_dict(yaml.safe_load(Path(path).read_text()) or {}, base=Path(path).parent)
 
     def to_dict(self) -> dict[str, Any]:
         """The YAML shape (from_dict reads it back)."""

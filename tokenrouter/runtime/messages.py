@@ -18,6 +18,9 @@ class AddReq(msgspec.Struct, tag="add"):
     tokens: list[int]
     params: SamplingParams
     seed: int
+    # This request's routing parameters, resolved once at the entry (the group's defaults with the
+    # request's overrides, RoutingAlgorithm.resolve_request); empty: the group's defaults.
+    routing: dict[str, Any] = {}
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -62,6 +65,7 @@ class FirstVisit(msgspec.Struct):
     prompt_len: int
     params: SamplingParams
     seed: int
+    routing: dict[str, Any] = {}  # as AddReq.routing
 
 
 class Peer(msgspec.Struct, tag="peer"):
@@ -70,6 +74,7 @@ class Peer(msgspec.Struct, tag="peer"):
     sender: str
     req: PeerReq
     first: FirstVisit | None = None
+    handoffs: int = 0  # the request's hand-offs so far, this one included (travels with the request)
 
 
 class TokenEvent(msgspec.Struct, array_like=True):
@@ -85,6 +90,8 @@ class Tokens(msgspec.Struct, tag="tokens"):
 
     model: str
     items: list[TokenEvent]
+    # rid -> that request's hand-offs so far, for the requests this step handed to a peer
+    handoffs: dict[str, int] = {}
 
 
 class Finished(msgspec.Struct, tag="finished"):
@@ -95,6 +102,7 @@ class Finished(msgspec.Struct, tag="finished"):
     reason: str
     stop_reason: int | None
     length: int
+    handoffs: int = 0  # hand-offs (PeerReqs sent, every model counted) the request made
 
 
 class Ready(msgspec.Struct, tag="ready"):

@@ -39,8 +39,9 @@ class Done(NamedTuple):
     text: str  # the last released text
     error: str | None
     tokens_per_model: dict[str, int]
-    handoffs: int
+    handoffs: int  # hand-offs performed (PeerReqs sent, every model counted)
     fatal: bool = False  # the group failed, not this request
+    routing: dict[str, Any] | None = None  # the routing parameters the request ran with
 
 
 @dataclass(eq=False)
@@ -60,6 +61,7 @@ class Reassembly:
     finished: bool = False
     released: int = 0  # characters of text already handed out
     first_token_time: float | None = None
+    handoffs: int = 0  # PeerReqs sent so far, as the subservers report them (not changes of writer)
 
     @classmethod
     def of(cls, rid: str, plan: AdmittedPlan, tokenizer: Any, release_text: bool) -> Reassembly:
@@ -74,10 +76,6 @@ class Reassembly:
     @property
     def output(self) -> list[int]:
         return [t.token for t in self.tokens]
-
-    @property
-    def handoffs(self) -> int:
-        return sum(a.model != b.model for a, b in zip(self.tokens, self.tokens[1:]))
 
     def tokens_per_model(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -132,5 +130,6 @@ class Reassembly:
         out, self.released = text[self.released:end], end
         return out
 
-    def done(self, reason: str, stop_reason: int | str | None, error: str | None, text: str = "") -> Done:
-        return Done(self.rid, reason, stop_reason, text, error, self.tokens_per_model(), self.handoffs)
+    def done(self, reason: str, stop_reason: int | str | None, error: str | None, text: str = "",
+             routing: dict[str, Any] | None = None) -> Done:
+        return Done(self.rid, reason, stop_reason, text, error, self.tokens_per_model(), self.handoffs, routing=routing)

@@ -99,6 +99,7 @@ class Subserver:
         self.to_peer: dict[str, zmq.Socket] = {}  # connected when the Topology message arrives
         # rid -> {peer: number of this request's tokens that peer holds}
         self.known: dict[str, dict[str, int]] = {}
+        self.handoffs_of: dict[str, int] = {}  # rid -> its hand-offs so far (every model's, as last seen here)
         self.pending_since: dict[str, float] = {}
         self.aborted: dict[str, float] = {}
         self.running = True
@@ -182,10 +183,13 @@ class Subserver:
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddReq):
             try:
-                self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
-                self.known[msg.rid] = {}
+                req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
             except ValueError as e:
                 self._send(self.to_entry, ReqError(self.name, msg.rid, str(e)))
+                return
+            self.known[msg.rid] = {}
+            self.handoffs_of[msg.rid] = 0
+            self.algorithm.start(req, msg.routing)
         elif isinstance(msg, Peer):
             self._receive(msg)
         elif isinstance(msg, Abort):
@@ -219,8 +223,12 @@ class Subserver:
         self._send(self.to_entry, ReqError(self.name, rid, f"the model {self.name!r} failed on this request"))
 
     def _drop(self, rid: str) -> None:
+        req = self.engine.reqs.get(rid)
+        if req is not None:
+            self.algorithm.finish(req)
         self.engine.abort(rid)
         self.known.pop(rid, None)
+        self.handoffs_of.pop(rid, None)
         since = self.pending_since.pop(rid, None)
         if since is not None:
             self.pending_seconds += time.monotonic() - since
@@ -247,18 +255,20 @@ class Subserver:
                 self._send(self.to_entry, ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
                 return
             try:
-                eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
-                                prompt_len=msg.first.prompt_len)
+                req = eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
+                                      prompt_len=msg.first.prompt_len)
             except ValueError as e:
                 self._send(self.to_entry, ReqError(self.name, rid, str(e)))
                 return
             self.known[rid] = {}
+            self.algorithm.start(req, msg.first.routing)
         else:
             eng.receive(rid, peer.loc, peer.suffix)
             since = self.pending_since.pop(rid, None)
             if since is not None:
                 self.pending_seconds += time.monotonic() - since
         self.known[rid][msg.sender] = peer.loc + len(peer.suffix)
+        self.handoffs_of[rid] = msg.handoffs
 
     def _step(self) -> bool:
         """Run one step if the scheduler launches one; whether it did."""
@@ -299,9 +309,11 @@ class Subserver:
             if route.dest is not None:
                 handoffs.append((req, route.dest))
         self.tokens_written += len(events)
+        counts = {req.rid: self.handoffs_of.get(req.rid, 0) + 1 for req, _ in handoffs}
+        self.handoffs_of.update(counts)
         # Tokens first: the entry must see a request's last token no later than its finish.
-        if events:
-            self._send(self.to_entry, Tokens(self.name, events))
+        if events or counts:
+            self._send(self.to_entry, Tokens(self.name, events, counts))
         for req in finished:
             self._finished(req)
         for req, dest in handoffs:
@@ -318,7 +330,9 @@ class Subserver:
 
     def _finished(self, req: Req) -> None:
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
-        self._send(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop, len(req.tokens)))
+        self.algorithm.finish(req)
+        self._send(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop, len(req.tokens),
+                                           self.handoffs_of.pop(req.rid, 0)))
         for peer in self.known.pop(req.rid, {}):
             self._send(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
 
@@ -326,14 +340,15 @@ class Subserver:
         if dest not in self.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
         known = self.known.setdefault(req.rid, {})
-        first = None if dest in known else FirstVisit(req.prompt_len, req.params, req.seed)
+        first = None if dest in known else FirstVisit(req.prompt_len, req.params, req.seed,
+                                                      self.algorithm.params_of.get(req.rid, {}))
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         self.engine.scheduler.set_pending(req)
         self.pending_since[req.rid] = now
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        self._send(self.to_peer[dest], Peer(self.name, peer, first))
+        self._send(self.to_peer[dest], Peer(self.name, peer, first, self.handoffs_of[req.rid]))
 
     def stats(self) -> Stats:
         eng = self.engine

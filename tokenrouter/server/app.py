@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tokenrouter.engine.request_validation import InvalidRequest
+from tokenrouter.routing import RoutingParamError
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
@@ -190,11 +191,14 @@ class OpenAIServer:
         return self.runtime.entry.context_len
 
     # ---- admission: the request is checked once, by the runtime's rules, into the plan it runs ----
-    def submit(self, ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams]) -> _Gen:
+    def submit(self, ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams],
+               routing: dict[str, Any] | None = None) -> _Gen:
         try:
-            return _Gen(self.runtime.submit(self.runtime.admit(ids, max_tokens, sampling)))
+            return _Gen(self.runtime.submit(self.runtime.admit(ids, max_tokens, sampling, routing)))
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
+        except RoutingParamError as e:
+            raise APIError(400, str(e), param=f"routing.{e.field}" if e.field else "routing") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         except EntryUnavailable:
@@ -304,7 +308,7 @@ class OpenAIServer:
             ids = await self.off_loop(lambda: list(self.tokenizer.encode(prompt)))
         else:
             ids = list(prompt)
-        gen = self.submit(ids, body.max_tokens, lambda cap: body.sampling(cap, body.logprobs))
+        gen = self.submit(ids, body.max_tokens, lambda cap: body.sampling(cap, body.logprobs), body.routing)
         rid, created = gen.stream.rid, int(time.time())
         want_lp = body.logprobs is not None
         model_name = self.cfg.model_name
@@ -335,7 +339,8 @@ class OpenAIServer:
             raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
                            param="messages") from None
         logprobs = body.requested_logprobs()
-        gen = self.submit(ids, body.max_completion_tokens or body.max_tokens, lambda cap: body.sampling(cap, logprobs))
+        gen = self.submit(ids, body.max_completion_tokens or body.max_tokens, lambda cap: body.sampling(cap, logprobs),
+                          body.routing)
         rid, created = "chat" + gen.stream.rid, int(time.time())
         first = [True]
         model_name = self.cfg.model_name
@@ -393,14 +398,16 @@ def usage(gen: _Gen) -> dict[str, int]:
 
 
 def routing(gen: _Gen, writers: bool = False) -> dict[str, Any]:
-    """Tokens per model and hand-offs; with `writers`, the model that wrote each token too."""
+    """Tokens per model, hand-offs performed (PeerReqs sent) and the routing parameters used; with
+    `writers`, the model that wrote each token too."""
     if gen.done is not None and gen.done.tokens_per_model:
         per_model = gen.done.tokens_per_model
     else:
         per_model = {}
         for t in gen.tokens:
             per_model[t.model] = per_model.get(t.model, 0) + 1
-    out: dict[str, Any] = {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0}
+    out: dict[str, Any] = {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0,
+                           "params": (gen.done.routing or {}) if gen.done else {}}
     if writers:
         out["token_models"] = [t.model for t in gen.tokens]
     return out

@@ -74,6 +74,9 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # extension
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # Extension: this request's routing parameters (e.g. {"threshold": 0.3} for R2R), checked by the
+    # group's algorithm; the group's values are the defaults.
+    routing: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -62,6 +62,7 @@ def run_step_sync(small: Engine, large: Engine, router: DeferToLarge, prompts: l
         for i, ids in enumerate(prompts[b0:b0 + concurrency], start=b0):
             rid = f"sync-{i}"
             live[rid] = small.add_request(ids, per_req[i], rid=rid, seed=seed + i)
+            router.start(live[rid], {})  # the request lifecycle (RoutingAlgorithm): the group's parameters
             res.outputs[rid], res.writers[rid] = [], []
         while live:
             out = small.forward_step()
@@ -98,7 +99,7 @@ def run_step_sync(small: Engine, large: Engine, router: DeferToLarge, prompts: l
                     res.outputs[req.rid].append(tok)
                     res.writers[req.rid].append(router.large)
             for rid in [r for r, q in live.items() if q.finished]:
-                del live[rid]
+                router.finish(live.pop(rid))
                 if rid in large.reqs:
                     large.abort(rid)
                 n = len(res.outputs[rid])
