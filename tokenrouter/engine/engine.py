@@ -140,7 +140,7 @@ class Engine:
             backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads // n, mc.num_kv_heads // n,
                                    mc.head_dim)
             self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs,
-                                      tp.group if tp is not None else None)
+                                      tp.group if tp is not None else None, frozenset(self.eos_token_ids))
 
     def _kv_pages(self, mc: ModelConfig) -> int:
         cfg = self.cfg
@@ -179,6 +179,7 @@ class Engine:
                 "(the prompt must leave room for at least one output token)")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        params.check_vocab(vocab)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None) -> Req:
@@ -287,7 +288,7 @@ class Engine:
         det = self._detok.get(req.rid)
         if det is not None:
             new = det.add([tok])
-            if p.stop and new:
+            if p.stop and new and req.num_output > p.min_tokens:  # as vLLM: none before min_tokens
                 hit = self._find_stop(det.text, len(new), p.stop)
                 if hit is not None:
                     pos, stop = hit

@@ -323,6 +323,7 @@ class Entry:
             raise ValueError("prompt is empty: a request needs at least one token")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        params.check_vocab(self.vocab_size)
         if len(prompt_ids) >= self.context_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens, but the context is {self.context_len} tokens")
         max_tokens = min(params.max_tokens, self.context_len - len(prompt_ids))
@@ -491,7 +492,7 @@ class Entry:
     def _stop_string_hit(self, req: EntryReq, token: int) -> bool:
         assert req.detok is not None
         new = req.detok.add([token])
-        if not new:
+        if not new or len(req.output) <= req.params.min_tokens:  # as vLLM: no stop string before min_tokens
             return False
         text = req.detok.text
         for stop in req.params.stop:

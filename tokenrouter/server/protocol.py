@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Literal
 
 import pydantic
@@ -49,13 +50,27 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # extension
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    repetition_penalty: float | None = None  # extension (vLLM, SGLang)
+    min_tokens: int = 0  # extension (vLLM, SGLang)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
 
     def check_common(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with integer keys, each bias clamped to [-100, 100] as OpenAI and vLLM do."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if math.isnan(bias):
+                raise APIError(400, f"logit_bias of token {tok} is not a number", param="logit_bias")
+            out[tok] = min(100.0, max(-100.0, bias))
+        return out
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -67,6 +82,10 @@ class _Sampling(_Strict):
                 top_k=self.top_k or 0,
                 seed=self.seed, stop=stop, stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
+                frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.token_bias(),
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
