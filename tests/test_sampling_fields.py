@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from engine_utils import prompts_of
+from sampling_utils import check_processed_greedy, reference
 
 from tokenrouter import LLM, SamplingParams
 from tokenrouter.engine.logits_processing import process_logits
@@ -17,23 +18,6 @@ from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.runtime.messages import AddReq, decode, encode
 
 EOS_REF = 7  # the EOS id of the reference computations on random logits
-
-
-def reference(row: torch.Tensor, tokens: list[int], prompt_len: int, p: SamplingParams, eos: set[int]) -> torch.Tensor:
-    """vLLM's processing of one row, written plainly: bias, min_tokens mask, repetition, frequency, presence."""
-    row = row.clone()
-    for tok, bias in p.logit_bias.items():
-        row[tok] += bias
-    if len(tokens) - prompt_len < p.min_tokens:
-        for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else eos):
-            row[tok] = -math.inf
-    output = tokens[prompt_len:]
-    if p.repetition_penalty != 1.0:
-        for tok in set(tokens):
-            row[tok] = row[tok] / p.repetition_penalty if row[tok] > 0 else row[tok] * p.repetition_penalty
-    for tok in set(output):
-        row[tok] -= p.frequency_penalty * output.count(tok) + p.presence_penalty
-    return row
 
 
 def req(tokens: list[int], prompt_len: int, **kw) -> Req:
@@ -154,23 +138,11 @@ def test_penalties_are_token_exact_through_a_routed_pair(routed, hf_pair, eos):
     plain = generate(routed, prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))
     outs = generate(routed, prompts, params)
     assert [o.token_ids for o in outs] != [o.token_ids for o in plain], "the penalties change the output"
-    checked = 0
-    models_seen = set()
+    writers: list[str] = []
     for prompt, out in zip(prompts, outs):
         assert len(out.token_ids) == 14 and out.token_models is not None
-        seq = torch.tensor([prompt + out.token_ids])
-        with torch.no_grad():
-            logits = {n: m(input_ids=seq).logits[0] for n, m in hf_pair.items()}
-        for j, (tok, writer) in enumerate(zip(out.token_ids, out.token_models)):
-            history = prompt + out.token_ids[:j]
-            row = reference(logits[writer][len(prompt) + j - 1], history, len(prompt), params, {eos})
-            top2 = row.topk(2).values
-            if (top2[0] - top2[1]).item() < 1e-4:
-                continue
-            assert tok == int(row.argmax()), f"token {j} is not {writer}'s greedy choice after processing"
-            checked += 1
-            models_seen.add(writer)
-    assert checked >= 36 and models_seen == {"small", "large"}
+        writers += check_processed_greedy(hf_pair, prompt, out.token_ids, out.token_models, params, {eos})
+    assert len(writers) >= 36 and set(writers) == {"small", "large"}
 
 
 def test_a_group_of_one_equals_the_single_engine(pair_paths):

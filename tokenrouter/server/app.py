@@ -235,10 +235,16 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(request: Request, gen: _Gen, chunk: Any, include_usage: bool,
+    async def stream_events(request: Request, gen: _Gen, chunk: Any, usage_opts: tuple[bool, bool],
                             every_token: bool, writers: bool = False) -> AsyncIterator[str]:
         """SSE: a chunk per token that completes text (every token when asked), a final chunk with the
-        finish reason, [DONE]. Every token appears in exactly one chunk."""
+        finish reason, [DONE]. Every token appears in exactly one chunk. With include_usage a last chunk
+        has no choices and the usage; with continuous_usage_stats too, every chunk carries the usage so far."""
+        include_usage, continuous = usage_opts
+
+        def counted(obj: dict[str, Any]) -> dict[str, Any]:
+            return {**obj, "usage": usage(gen)} if continuous else obj
+
         pending: list[TokenOut] = []  # tokens not yet in a chunk (their text is held back)
         try:
             async for item in _until_timeout(gen.events(cfg.request_timeout)):
@@ -249,14 +255,15 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                 if isinstance(item, TokenOut):
                     pending.append(item)
                     if item.text or every_token:
-                        yield sse(chunk(pending, item.text, None))
+                        yield sse(counted(chunk(pending, item.text, None)))
                         pending = []
                 else:
                     if item.finish_reason == "error":
                         status, kind = (503, "service_unavailable") if item.fatal else (500, "internal_error")
                         yield sse(APIError(status, f"generation failed: {item.error}", type_=kind).body())
                         break
-                    yield sse({**chunk(pending, item.text, finish_reason(item)), "routing": routing(gen, writers)})
+                    yield sse(counted({**chunk(pending, item.text, finish_reason(item)),
+                                       "routing": routing(gen, writers)}))
                     if include_usage:
                         yield sse({**chunk([], "", None), "choices": [], "usage": usage(gen)})
             yield "data: [DONE]\n\n"
@@ -283,9 +290,9 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                                     [t.token for t in toks] if body.return_token_ids else None)
 
         if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
             every = want_lp or body.return_token_ids
-            return StreamingResponse(stream_events(request, gen, chunk, include, every, body.return_token_ids),
+            return StreamingResponse(stream_events(request, gen, chunk, body.usage_options(), every,
+                                                   body.return_token_ids),
                                      media_type="text/event-stream")
         await run_to_end(request, gen)
         assert gen.done is not None
@@ -318,8 +325,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                                  "logprobs": chat_logprobs(toks) if logprobs is not None else None}]}
 
         if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(stream_events(request, gen, chunk, include, logprobs is not None),
+            return StreamingResponse(stream_events(request, gen, chunk, body.usage_options(), logprobs is not None),
                                      media_type="text/event-stream")
         await run_to_end(request, gen)
         assert gen.done is not None

@@ -33,7 +33,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # extension (vLLM): usage on every chunk
 
 
 class _Sampling(_Strict):
@@ -58,6 +59,15 @@ class _Sampling(_Strict):
     def check_common(self) -> None:
         if self.n != 1:
             raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
+
+    def usage_options(self) -> tuple[bool, bool]:
+        """(a final chunk with the usage, usage on every chunk): vLLM's reading of stream_options, where
+        continuous_usage_stats counts only together with include_usage."""
+        opts = self.stream_options
+        include = bool(opts and opts.include_usage)
+        return include, include and bool(opts and opts.continuous_usage_stats)
 
     def token_bias(self) -> dict[int, float]:
         """logit_bias with integer keys, each bias clamped to [-100, 100] as OpenAI and vLLM do."""

@@ -1,0 +1,172 @@
+"""The OpenAI fields vLLM users send, through `tokenrouter serve` over a routed pair with the real
+`openai` client: logits processing (token-exact where greedy), stop strings, stream_options as
+vLLM's tests define them."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+import torch
+from sampling_utils import check_processed_greedy
+from server_utils import ServerProcess
+
+from tokenrouter.sampling_params import SamplingParams
+
+MODEL = "pair"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, pair_paths):
+    cfg = tmp_path_factory.mktemp("srv") / "group.yaml"
+    cfg.write_text(
+        f"name: {MODEL}\n"
+        "models:\n"
+        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
+        "algorithm: {name: bernoulli, p: 0.5}\n")
+    srv = ServerProcess(["--config", str(cfg), "--grace-period", "5"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(pair_paths):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(pair_paths["small"])
+
+
+@pytest.fixture(scope="module")
+def hf_pair(pair_paths):
+    from transformers import AutoModelForCausalLM
+
+    return {n: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            for n, path in pair_paths.items()}
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=60)
+
+
+# ---- logits processing ----------------------------------------------------------------------------
+
+def test_penalties_and_bias_are_token_exact(client, hf_pair, tokenizer):
+    prompt = [11, 200, 37, 90, 5, 61, 150]
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=14, temperature=0, seed=3, frequency_penalty=0.7,
+        presence_penalty=0.3, logit_bias={"17": 1, "40": -2},
+        extra_body={"repetition_penalty": 1.4, "ignore_eos": True, "return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    models = r.model_extra["routing"]["token_models"]
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
+                            frequency_penalty=0.7, presence_penalty=0.3, logit_bias={17: 1.0, 40: -2.0})
+    assert len(ids) == 14
+    assert len(check_processed_greedy(hf_pair, prompt, ids, models, params, {tokenizer.eos_token_id})) >= 10
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=14, temperature=0, seed=3,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert plain.choices[0].model_extra["token_ids"] != ids
+
+
+def test_logit_bias_in_chat_streaming_and_not(client, tokenizer):
+    a = str(tokenizer.convert_tokens_to_ids("a"))
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0.7, seed=1,
+              logit_bias={a: 100}, extra_body={"ignore_eos": True})
+    assert client.chat.completions.create(**kw).choices[0].message.content == "aaaaa"
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "aaaaa"
+
+
+def test_min_tokens_holds_eos_back(client, tokenizer):
+    eos = str(tokenizer.eos_token_id)
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=10, temperature=0, logit_bias={eos: 100})
+    eager = client.completions.create(**kw)
+    assert eager.usage.completion_tokens == 1 and eager.choices[0].finish_reason == "stop"
+    held = client.completions.create(**kw, extra_body={"min_tokens": 4})
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("include,text", [(False, "aa"), (True, "aaa")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_with_include_stop_str_in_output(client, tokenizer, include, text, stream):
+    a = str(tokenizer.convert_tokens_to_ids("a"))
+    r = client.completions.create(model=MODEL, prompt="Hi", max_tokens=10, temperature=0, stop=["a"],
+                                  logit_bias={a: 100}, stream=stream,
+                                  extra_body={"min_tokens": 2, "include_stop_str_in_output": include})
+    if stream:
+        chunks = list(r)
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    else:
+        assert r.choices[0].text == text and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"frequency_penalty": 2.5}, "frequency_penalty"),
+    ({"presence_penalty": -9}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "logit_bias"),
+    ({"logit_bias": {"-3": 1}}, "logit_bias"),
+    ({"min_tokens": 20, "max_tokens": 5}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+])
+def test_bad_fields_get_a_400_naming_them(server, body, needle):
+    r = post(server, "/v1/completions", {"prompt": "x", **body})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+# ---- stream_options, as vLLM's tests define them ---------------------------------------------------
+
+def test_completion_stream_options(client):
+    kw = dict(model=MODEL, prompt="What is the capital", max_tokens=6, temperature=0, stream=True,
+              extra_body={"ignore_eos": True})
+    # continuous_usage_stats counts only together with include_usage
+    for ch in client.completions.create(stream_options={"include_usage": False, "continuous_usage_stats": True}, **kw):
+        assert ch.usage is None
+    stream = client.completions.create(stream_options={"include_usage": True, "continuous_usage_stats": False}, **kw)
+    for ch in stream:
+        assert ch.usage is None
+        if ch.choices[0].finish_reason is not None:
+            final = next(stream)
+            assert final.choices == [] and final.usage.prompt_tokens > 0
+            assert final.usage.completion_tokens == 6
+            assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
+            break
+    else:
+        pytest.fail("no finish chunk")
+    seen = 0
+    stream = client.completions.create(stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw)
+    for ch in stream:
+        assert ch.usage is not None and ch.usage.prompt_tokens > 0 and ch.usage.completion_tokens > 0
+        assert ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens
+        seen += 1
+        if ch.choices and ch.choices[0].finish_reason is not None:
+            final = next(stream)
+            assert final.choices == [] and final.usage.completion_tokens == 6
+            break
+    assert seen >= 2
+
+
+def test_chat_stream_options(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0, stream=True,
+              extra_body={"ignore_eos": True})
+    chunks = list(client.chat.completions.create(stream_options={"include_usage": True,
+                                                                 "continuous_usage_stats": True}, **kw))
+    assert all(ch.usage is not None for ch in chunks)
+    assert [ch.usage.completion_tokens for ch in chunks] == sorted(ch.usage.completion_tokens for ch in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("options", [{"include_usage": None}, {"include_usage": True},
+                                     {"continuous_usage_stats": None}, {"continuous_usage_stats": True}])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_is_a_400(server, options, path):
+    body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+    r = post(server, path, {**body, "max_tokens": 2, "stream": False, "stream_options": options})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
