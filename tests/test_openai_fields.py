@@ -170,3 +170,46 @@ def test_stream_options_without_stream_is_a_400(server, options, path):
     body = {"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
     r = post(server, path, {**body, "max_tokens": 2, "stream": False, "stream_options": options})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+
+
+# ---- /tokenize, /detokenize, /version, /v1/models ---------------------------------------------------
+
+def test_tokenize_and_detokenize_round_trip(server, tokenizer):
+    r = post(server, "/tokenize", {"prompt": "Hello, world", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["tokens"] == tokenizer.encode("Hello, world") and out["count"] == len(out["tokens"])
+    assert out["max_model_len"] == 512 and len(out["token_strs"]) == out["count"]
+    back = post(server, "/detokenize", {"tokens": out["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": "Hello, world"}
+
+
+def test_tokenize_chat_matches_what_the_chat_endpoint_counts(server, client):
+    messages = [{"role": "user", "content": "hi there"}]
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=30)  # model is optional
+    assert r.status_code == 200, r.text
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert r.json()["count"] == chat.usage.prompt_tokens
+    bare = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["count"] < r.json()["count"]
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"model": "gpt-9", "tokens": [1]}, 404, "model"),
+])
+def test_tokenize_errors(server, path, body, status, param):
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+
+
+def test_version_and_models(server, client):
+    import tokenrouter
+
+    assert httpx.get(f"{server.url}/version", timeout=10).json() == {"version": tokenrouter.__version__}
+    model = client.models.list().data[0]
+    assert model.id == MODEL and model.model_extra["max_model_len"] == 512

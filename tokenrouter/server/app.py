@@ -19,12 +19,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
 from tokenrouter.server.metrics import ServerMetrics
+from tokenrouter import __version__
 from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     completion_chunk,
     parse_request,
+    parse_tool_request,
 )
 
 logger = logging.getLogger(__name__)
@@ -36,12 +40,12 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The prompt text of a chat: the tokenizer's chat template, or ChatML when it has none, with the
-    assistant's turn opened."""
+    assistant's turn opened (unless asked not to)."""
     template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
-    return str(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                             tokenize=False))
+    return str(tokenizer.apply_chat_template(messages, chat_template=template,
+                                             add_generation_prompt=add_generation_prompt, tokenize=False))
 
 
 @dataclass
@@ -356,5 +360,48 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         stats = await runtime.stats() if runtime.healthy else {}
         waiting, running = runtime.queue_lengths()
         return Response(metrics.render(stats, waiting, running), media_type="text/plain; version=0.0.4")
+
+    # ---- the endpoints vLLM users script against ----------------------------------------------
+    async def read_body(request: Request) -> bytes:
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > cfg.max_body_bytes:
+                raise APIError(413, f"the request body is over {cfg.max_body_bytes} bytes", code="body_too_large")
+        return bytes(body)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_auth(request)
+        body: TokenizeRequest = parse_tool_request(await read_body(request), TokenizeRequest, cfg.model_name)
+        body.check()
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                text = chat_prompt(tokenizer, messages, body.add_generation_prompt)
+            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+                raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tokenizer.encode(body.prompt, add_special_tokens=special)
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": context_len() if runtime.entry else None,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_auth(request)
+        body: DetokenizeRequest = parse_tool_request(await read_body(request), DetokenizeRequest, cfg.model_name)
+        vocab = runtime.entry.vocab_size if runtime.entry is not None else len(tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     return app

@@ -152,6 +152,44 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tool_request(raw: bytes | bytearray, model: type[BaseModel], served_name: str) -> Any:
+    """A /tokenize or /detokenize body, whose model is optional (checked only when given)."""
+    try:
+        json.loads(raw)
+    except ValueError:
+        raise APIError(400, "the request body is not valid JSON") from None
+    try:
+        req = model.model_validate_json(raw)
+    except pydantic.ValidationError as e:
+        msg, param = validation_message(e)
+        raise APIError(400, msg, param=param) from None
+    name = getattr(req, "model", None)
+    if name is not None and name != served_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served_name!r}",
+                       param="model", code="model_not_found")
+    return req
+
+
 def validation_message(exc: Any) -> tuple[str, str | None]:
     """A one-line message and the offending field from a pydantic ValidationError."""
     err = exc.errors()[0]
