@@ -213,3 +213,62 @@ def test_version_and_models(server, client):
     assert httpx.get(f"{server.url}/version", timeout=10).json() == {"version": tokenrouter.__version__}
     model = client.models.list().data[0]
     assert model.id == MODEL and model.model_extra["max_model_len"] == 512
+
+
+# ---- metrics in vLLM's names -------------------------------------------------------------------------
+
+def scrape(server) -> dict[str, dict[tuple, float]]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{server.url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m.get(name, {}).get(tuple(sorted(labels.items())), 0.0)
+
+
+def test_vllm_metric_names(server, client):
+    before = scrape(server)
+    r = client.completions.create(model=MODEL, prompt="Count me", max_tokens=7, temperature=0, seed=2,
+                                  extra_body={"ignore_eos": True})
+    after = scrape(server)
+    tpm = r.model_extra["routing"]["tokens_per_model"]
+
+    def delta(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("vllm:prompt_tokens_total", model_name=MODEL) == r.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total", model_name=MODEL) == 7
+    for member in ("small", "large"):
+        assert delta("vllm:generation_tokens_total", model_name=member) == tpm.get(member, 0)
+    assert delta("vllm:request_success_total", model_name=MODEL, finished_reason="length") == 1
+    assert delta("vllm:time_to_first_token_seconds_count", model_name=MODEL) == 1
+    assert delta("vllm:e2e_request_latency_seconds_count", model_name=MODEL) == 1
+    assert delta("vllm:inter_token_latency_seconds_count", model_name=MODEL) == 6
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert {dict(k)["model_name"] for k in after[gauge]} == {MODEL, "small", "large"}, gauge
+        assert all(0 <= v for v in after[gauge].values())
+    assert all(v <= 1 for v in after["vllm:kv_cache_usage_perc"].values())
+    assert "tokenrouter_generated_tokens_total" in after  # our own names stay
+
+
+def test_the_grafana_dashboard_reads_only_names_we_export(server, client):
+    import json
+    import re
+    from pathlib import Path
+
+    client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    dash = json.loads((Path(__file__).parents[1] / "examples" / "grafana_dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    names = {n for e in exprs for n in re.findall(r"(vllm:[a-z0-9_]+|tokenrouter_[a-z0-9_]+)", e)}
+    exported = scrape(server)
+    assert names and not names - set(exported), sorted(names - set(exported))
+    assert {n for n in names if n.startswith("vllm:")} >= {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket"}

@@ -66,6 +66,8 @@ class _Gen:
         self.text = ""
         self.start = time.monotonic()
         self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.gaps: list[float] = []  # seconds between successive tokens' arrivals (inter-token latency)
 
     async def events(self, timeout: float | None = None) -> AsyncIterator[TokenOut | Done]:
         """Events until Done; past `timeout` seconds from the start, raise TimeoutError."""
@@ -76,8 +78,12 @@ class _Gen:
                 left = self.start + timeout - time.monotonic()
                 item = await asyncio.wait_for(self.stream.events.get(), max(left, 0.0))
             if isinstance(item, TokenOut):
+                now = time.monotonic()
                 if self.first_token is None:
-                    self.first_token = time.monotonic()
+                    self.first_token = now
+                if self.last_token is not None:
+                    self.gaps.append(now - self.last_token)
+                self.last_token = now
                 self.tokens.append(item)
             else:
                 self.done = item
@@ -95,7 +101,7 @@ async def _until_timeout(events: AsyncIterator[TokenOut | Done]) -> AsyncIterato
 
 
 def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(cfg.model_name)
     if getattr(tokenizer, "chat_template", None) is None:
         logger.warning("the tokenizer has no chat template; chat requests use ChatML")
 
@@ -162,10 +168,9 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
 
     def record(gen: _Gen) -> None:
         assert gen.done is not None
-        metrics.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model, gen.done.handoffs)
-        metrics.e2e.observe(time.monotonic() - gen.start)
-        if gen.first_token is not None:
-            metrics.ttft.observe(gen.first_token - gen.start)
+        ttft = None if gen.first_token is None else gen.first_token - gen.start
+        metrics.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model, gen.done.handoffs,
+                         time.monotonic() - gen.start, ttft, gen.gaps)
 
     async def run_to_end(request: Request, gen: _Gen) -> None:
         """Collect a whole generation; abort it if the client goes away first."""
@@ -401,7 +406,8 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         return JSONResponse({"prompt": tokenizer.decode(body.tokens)})
 
     @app.get("/version")
-    async def version() -> Response:
+    async def version(request: Request) -> Response:
+        check_auth(request)
         return JSONResponse({"version": __version__})
 
     return app
