@@ -272,3 +272,82 @@ def test_the_grafana_dashboard_reads_only_names_we_export(server, client):
         "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
         "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
         "vllm:e2e_request_latency_seconds_bucket"}
+
+
+# ---- n, lists of prompts, echo ----------------------------------------------------------------------
+
+def test_n_choices_are_routed_requests_of_their_own(client):
+    kw = dict(model=MODEL, prompt="Pick a word", max_tokens=6, temperature=1.0, seed=11,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert all(len(x) == 6 for x in ids) and len({tuple(x) for x in ids}) > 1, "seeded choices differ (seed + j)"
+    assert r.usage.completion_tokens == 18 and r.usage.prompt_tokens == len(b"Pick a word")
+    # choice j samples as a request with seed + j would (vLLM's rule), so each is reproducible alone
+    for j in range(3):
+        alone = client.completions.create(**{**kw, "seed": 11 + j})
+        assert alone.choices[0].model_extra["token_ids"] == ids[j]
+    streamed: dict[int, str] = {}
+    for ch in client.completions.create(n=3, stream=True, **kw):
+        for c in ch.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {c.index: c.text for c in r.choices}
+
+
+def test_a_list_of_prompts_numbers_choices_as_openai(client):
+    prompts = ["first prompt", "second", "ABC"]
+    kw = dict(model=MODEL, max_tokens=4, temperature=0, seed=4, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    singles = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+    for c in r.choices:
+        if c.index % 2 == 0:  # choice 0 of prompt i has the request's own seed: the same as prompt i alone
+            assert c.text == singles[c.index // 2]
+    assert r.usage.prompt_tokens == len(b"first prompt") + len(b"second") + 3
+    assert r.usage.completion_tokens == 24
+
+
+def test_chat_n(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=5,
+                                       temperature=1.0, seed=8, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2,
+                                                 max_tokens=5, temperature=1.0, seed=8, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    text = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+    assert text == {c.index: c.message.content for c in r.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo(client, tokenizer, stream):
+    kw = dict(model=MODEL, prompt=["Echo this", "Hi"], max_tokens=3, temperature=0, seed=1, echo=True,
+              stream=stream, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**{**kw, "echo": False, "stream": False})
+    r = client.completions.create(**kw)
+    if stream:
+        text: dict[int, str] = {}
+        for ch in r:
+            for c in ch.choices:
+                text[c.index] = text.get(c.index, "") + c.text
+    else:
+        text = {c.index: c.text for c in r.choices}
+    assert text == {0: "Echo this" + plain.choices[0].text, 1: "Hi" + plain.choices[1].text}
+    ids = client.completions.create(**{**kw, "prompt": tokenizer.encode("Hi"), "stream": False})
+    assert ids.choices[0].text == "Hi" + plain.choices[1].text  # token ids are echoed as their text
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"n": 0}, "n must be"),
+    ({"n": 200}, "n must be"),
+    ({"prompt": ["a"] * 50, "n": 3}, "choices"),
+    ({"echo": True, "logprobs": 1}, "echo"),
+])
+def test_choice_limits(server, body, needle):
+    r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

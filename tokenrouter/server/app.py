@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
 import json
@@ -17,9 +18,10 @@ import pydantic
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tokenrouter import __version__
+from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
 from tokenrouter.server.metrics import ServerMetrics
-from tokenrouter import __version__
 from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -100,6 +102,27 @@ async def _until_timeout(events: AsyncIterator[TokenOut | Done]) -> AsyncIterato
         yield None
 
 
+async def _merged(streams: list[AsyncIterator[TokenOut | Done]]) -> AsyncIterator[tuple[int, TokenOut | Done | None]]:
+    """(index, event) from several choices' event streams as they come, each ending in its Done, or
+    None if it stopped on the request time limit."""
+    queue: asyncio.Queue[tuple[int, TokenOut | Done | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[TokenOut | Done]) -> None:
+        async for item in _until_timeout(stream):
+            await queue.put((i, item))
+
+    tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
+    try:
+        ended = 0
+        while ended < len(tasks):
+            i, item = await queue.get()
+            ended += item is None or isinstance(item, Done)
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
     metrics = ServerMetrics(cfg.model_name)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -172,38 +195,41 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         metrics.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model, gen.done.handoffs,
                          time.monotonic() - gen.start, ttft, gen.gaps)
 
-    async def run_to_end(request: Request, gen: _Gen) -> None:
-        """Collect a whole generation; abort it if the client goes away first."""
-        async def collect() -> None:
+    async def run_to_end(request: Request, gens: list[_Gen]) -> None:
+        """Collect whole generations (a request's choices); abort them all if the client goes away first
+        or one of them fails."""
+        async def collect(gen: _Gen) -> None:
             async for _ in gen.events(cfg.request_timeout):
                 pass
 
-        task = asyncio.create_task(collect())
+        tasks = [asyncio.create_task(collect(g)) for g in gens]
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    runtime.abort(gen.stream.rid)
+            while not all(t.done() for t in tasks):
+                await asyncio.wait([t for t in tasks if not t.done()], timeout=0.5)
+                if not all(t.done() for t in tasks) and await request.is_disconnected():
                     raise APIError(499, "client disconnected")
-            if isinstance(task.exception(), TimeoutError):
-                runtime.abort(gen.stream.rid)
+            if any(isinstance(t.exception(), TimeoutError) for t in tasks):
                 raise APIError(408, f"the request ran over the server's {cfg.request_timeout} s limit",
                                code="request_timeout")
         finally:
-            if not task.done():
-                task.cancel()
-                runtime.abort(gen.stream.rid)
-        record(gen)
-        if gen.done is not None and gen.done.finish_reason == "error":
-            if gen.done.fatal:
-                raise APIError(503, str(gen.done.error), type_="service_unavailable")
-            raise APIError(500, f"generation failed: {gen.done.error}", type_="internal_error")
+            for gen, task in zip(gens, tasks):
+                if gen.done is None:
+                    task.cancel()
+                    runtime.abort(gen.stream.rid)
+        for gen in gens:
+            record(gen)
+        for gen in gens:
+            assert gen.done is not None
+            if gen.done.finish_reason == "error":
+                if gen.done.fatal:
+                    raise APIError(503, str(gen.done.error), type_="service_unavailable")
+                raise APIError(500, f"generation failed: {gen.done.error}", type_="internal_error")
 
-    def usage(gen: _Gen) -> dict[str, int]:
-        n_out = len(gen.tokens)
-        return {"prompt_tokens": gen.stream.prompt_len, "completion_tokens": n_out,
-                "total_tokens": gen.stream.prompt_len + n_out}
+    def usage(gens: list[_Gen], n: int) -> dict[str, int]:
+        """Usage of a request's choices: each prompt counted once (its n choices share it)."""
+        n_prompt = sum(g.stream.prompt_len for g in gens[::n])
+        n_out = sum(len(g.tokens) for g in gens)
+        return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
     def routing(gen: _Gen, writers: bool = False) -> dict[str, Any]:
         """Tokens per model and hand-offs; with `writers`, the model that wrote each token too."""
@@ -217,6 +243,14 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
         if writers:
             out["token_models"] = [t.model for t in gen.tokens]
         return out
+
+    def total_routing(gens: list[_Gen]) -> dict[str, Any]:
+        """Tokens per model and hand-offs summed over a request's choices."""
+        per_model: dict[str, int] = {}
+        for gen in gens:
+            for model, count in routing(gen)["tokens_per_model"].items():
+                per_model[model] = per_model.get(model, 0) + count
+        return {"tokens_per_model": per_model, "handoffs": sum(g.done.handoffs if g.done else 0 for g in gens)}
 
     def finish_reason(done: Done) -> str:
         return "length" if done.finish_reason == "length" else "stop"
@@ -244,69 +278,107 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     def sse(obj: Any) -> str:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-    async def stream_events(request: Request, gen: _Gen, chunk: Any, usage_opts: tuple[bool, bool],
-                            every_token: bool, writers: bool = False) -> AsyncIterator[str]:
-        """SSE: a chunk per token that completes text (every token when asked), a final chunk with the
-        finish reason, [DONE]. Every token appears in exactly one chunk. With include_usage a last chunk
-        has no choices and the usage; with continuous_usage_stats too, every chunk carries the usage so far."""
+    async def stream_events(request: Request, gens: list[_Gen], n: int, chunk: Any, usage_opts: tuple[bool, bool],
+                            every_token: bool, writers: bool = False,
+                            prefixes: list[str] | None = None) -> AsyncIterator[str]:
+        """SSE over a request's choices (choice i is gens[i]): a chunk per token that completes text
+        (every token when asked), a chunk with each choice's finish reason, [DONE]. Every token appears in
+        exactly one chunk; `prefixes` (echo) open each choice's text. With include_usage a last chunk has
+        no choices and the usage; with continuous_usage_stats too, every chunk carries the usage so far."""
         include_usage, continuous = usage_opts
 
         def counted(obj: dict[str, Any]) -> dict[str, Any]:
-            return {**obj, "usage": usage(gen)} if continuous else obj
+            return {**obj, "usage": usage(gens, n)} if continuous else obj
 
-        pending: list[TokenOut] = []  # tokens not yet in a chunk (their text is held back)
+        pending: list[list[TokenOut]] = [[] for _ in gens]  # tokens not yet in a chunk (their text is held back)
+        events = _merged([g.events(cfg.request_timeout) for g in gens])
+        completed = False
         try:
-            async for item in _until_timeout(gen.events(cfg.request_timeout)):
+            for i, prefix in enumerate(prefixes or []):
+                yield sse(counted(chunk(i, [], prefix, None)))
+            async for i, item in events:
                 if item is None:
                     yield sse(APIError(408, f"the request ran over the server's {cfg.request_timeout} s limit",
                                        code="request_timeout").body())
                     break
                 if isinstance(item, TokenOut):
-                    pending.append(item)
+                    pending[i].append(item)
                     if item.text or every_token:
-                        yield sse(counted(chunk(pending, item.text, None)))
-                        pending = []
+                        yield sse(counted(chunk(i, pending[i], item.text, None)))
+                        pending[i] = []
                 else:
                     if item.finish_reason == "error":
                         status, kind = (503, "service_unavailable") if item.fatal else (500, "internal_error")
                         yield sse(APIError(status, f"generation failed: {item.error}", type_=kind).body())
                         break
-                    yield sse(counted({**chunk(pending, item.text, finish_reason(item)),
-                                       "routing": routing(gen, writers)}))
-                    if include_usage:
-                        yield sse({**chunk([], "", None), "choices": [], "usage": usage(gen)})
+                    yield sse(counted({**chunk(i, pending[i], item.text, finish_reason(item)),
+                                       "routing": routing(gens[i], writers)}))
+            else:
+                completed = True
+            if completed and include_usage:
+                yield sse({**chunk(0, [], "", None), "choices": [], "usage": usage(gens, n)})
             yield "data: [DONE]\n\n"
         finally:
-            if gen.done is None:
-                runtime.abort(gen.stream.rid)  # the client went away mid-stream
-            else:
-                record(gen)
+            await events.aclose()
+            for gen in gens:
+                if gen.done is None:
+                    runtime.abort(gen.stream.rid)  # the client went away mid-stream, or a sibling failed
+                else:
+                    record(gen)
+
+    def submit_all(plans: list[tuple[list[int], SamplingParams]]) -> list[_Gen]:
+        """Submit a request's choices; if one is refused, abort those already submitted."""
+        gens: list[_Gen] = []
+        try:
+            for ids, params in plans:
+                gens.append(submit(ids, params))
+        except APIError:
+            for gen in gens:
+                runtime.abort(gen.stream.rid)
+            raise
+        return gens
+
+    def choice_params(params: SamplingParams, j: int) -> SamplingParams:
+        # As vLLM: choice j of a seeded request samples with seed + j, so the n choices differ.
+        return params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         check_auth(request)
         body: CompletionRequest = await parse(request, CompletionRequest)
-        prompt = body.single_prompt()
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = plan_tokens(len(ids), body.max_tokens)
-        gen = submit(ids, body.sampling(max_tokens, body.logprobs))
-        rid, created = gen.stream.rid, int(time.time())
+        n = body.n
+        prompts = body.prompts()
+        encoded = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        plans = []
+        for ids in encoded:
+            params = body.sampling(plan_tokens(len(ids), body.max_tokens), body.logprobs)
+            plans += [(ids, choice_params(params, j)) for j in range(n)]
+        gens = submit_all(plans)  # choice i*n + j: prompt i, its j-th choice (OpenAI's numbering)
+        rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
+        # echo: each choice's text opens with its prompt's text
+        echoed = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts for _ in range(n)] \
+            if body.echo else None
 
-        def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
-            return completion_chunk(rid, created, cfg.model_name, text, reason,
+        def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+            return completion_chunk(rid, created, cfg.model_name, i, text, reason,
                                     completion_logprobs(toks, 0) if want_lp else None,
                                     [t.token for t in toks] if body.return_token_ids else None)
 
         if body.stream:
             every = want_lp or body.return_token_ids
-            return StreamingResponse(stream_events(request, gen, chunk, body.usage_options(), every,
-                                                   body.return_token_ids),
+            return StreamingResponse(stream_events(request, gens, n, chunk, body.usage_options(), every,
+                                                   body.return_token_ids, echoed),
                                      media_type="text/event-stream")
-        await run_to_end(request, gen)
-        assert gen.done is not None
-        out = chunk(gen.tokens, gen.text, finish_reason(gen.done))
-        return JSONResponse({**out, "usage": usage(gen), "routing": routing(gen, body.return_token_ids)})
+        await run_to_end(request, gens)
+        choices = []
+        for i, gen in enumerate(gens):
+            assert gen.done is not None
+            text = (echoed[i] if echoed else "") + gen.text
+            choices.append({**chunk(i, gen.tokens, text, finish_reason(gen.done))["choices"][0],
+                            "routing": routing(gen, body.return_token_ids)})
+        out = {**chunk(0, [], "", None), "choices": choices, "usage": usage(gens, n)}
+        return JSONResponse({**out, "routing": choices[0]["routing"] if len(gens) == 1 else total_routing(gens)})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -319,31 +391,36 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
             raise APIError(400, f"the chat template rejected the messages: {e}", param="messages") from None
         ids = tokenizer.encode(text, add_special_tokens=False)
         logprobs = body.requested_logprobs()
-        max_tokens = plan_tokens(len(ids), body.max_completion_tokens or body.max_tokens)
-        gen = submit(ids, body.sampling(max_tokens, logprobs))
-        rid, created = "chat" + gen.stream.rid, int(time.time())
-        first = [True]
+        params = body.sampling(plan_tokens(len(ids), body.max_completion_tokens or body.max_tokens), logprobs)
+        gens = submit_all([(ids, choice_params(params, j)) for j in range(body.n)])
+        rid, created = "chat" + gens[0].stream.rid, int(time.time())
+        first = [True] * len(gens)
 
-        def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+        def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": text} if text or reason is None else {}
-            if first[0]:
+            if first[i]:
                 delta = {"role": "assistant", **delta}
-                first[0] = False
+                first[i] = False
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": cfg.model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                    "choices": [{"index": i, "delta": delta, "finish_reason": reason,
                                  "logprobs": chat_logprobs(toks) if logprobs is not None else None}]}
 
         if body.stream:
-            return StreamingResponse(stream_events(request, gen, chunk, body.usage_options(), logprobs is not None),
+            return StreamingResponse(stream_events(request, gens, body.n, chunk, body.usage_options(),
+                                                   logprobs is not None),
                                      media_type="text/event-stream")
-        await run_to_end(request, gen)
-        assert gen.done is not None
+        await run_to_end(request, gens)
+        choices = []
+        for i, gen in enumerate(gens):
+            assert gen.done is not None
+            choices.append({"index": i, "message": {"role": "assistant", "content": gen.text},
+                            "finish_reason": finish_reason(gen.done),
+                            "logprobs": chat_logprobs(gen.tokens) if logprobs is not None else None,
+                            "routing": routing(gen)})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": cfg.model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                         "finish_reason": finish_reason(gen.done),
-                         "logprobs": chat_logprobs(gen.tokens) if logprobs is not None else None}],
-            "usage": usage(gen), "routing": routing(gen)})
+            "choices": choices, "usage": usage(gens, body.n),
+            "routing": choices[0]["routing"] if len(gens) == 1 else total_routing(gens)})
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenrouter.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 128  # prompts x n in one request: each choice is a routed request of its own
 
 
 class APIError(Exception):
@@ -57,8 +58,8 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool = False  # extension (vLLM)
 
     def check_common(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
 
@@ -108,17 +109,18 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     return_token_ids: bool = False  # extension (as vLLM): the choice carries its token ids
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts (one text or token list, or a list of them); the request makes n choices for each."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            p = p[0]  # type: ignore[assignment]
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        prompts: list[str | list[int]] = (list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list))
+                                          else [p])  # type: ignore[list-item]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={self.n} is over {MAX_CHOICES} choices", param="n")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
-        return p  # type: ignore[return-value]
+        return prompts
 
 
 class ChatMessage(_Strict):
@@ -216,11 +218,11 @@ def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: s
     return req
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None,
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str, reason: str | None,
                      logprobs: dict[str, Any] | None, token_ids: list[int] | None) -> dict[str, Any]:
-    """One `text_completion` object (a whole response or a stream chunk) with a single choice;
+    """One `text_completion` object (a stream chunk, or a response's choice) with the choice `index`;
     token_ids only when the request asked for them."""
-    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
