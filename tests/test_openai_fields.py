@@ -347,7 +347,9 @@ def test_echo(client, tokenizer, stream):
     ({"n": 200}, "n must be"),
     ({"prompt": ["a"] * 50, "n": 3}, "choices"),
     ({"echo": True, "logprobs": 1}, "echo"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
 ])
-def test_choice_limits(server, body, needle):
+def test_refused_fields(server, body, needle):
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

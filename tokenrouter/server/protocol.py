@@ -56,10 +56,14 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None  # extension (vLLM, SGLang)
     min_tokens: int = 0  # extension (vLLM, SGLang)
     include_stop_str_in_output: bool = False  # extension (vLLM)
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not built yet
 
     def check_common(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
+                                "'text'): structured output is not built yet", param="response_format")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
 
