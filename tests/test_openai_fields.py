@@ -353,3 +353,34 @@ def test_echo(client, tokenizer, stream):
 def test_refused_fields(server, body, needle):
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_choices_past_the_time_limit_are_all_aborted(tmp_path, pair_paths):
+    import time
+
+    # The latency-model executor makes every step take 10 ms, so 480 tokens take seconds on any machine.
+    cfg = tmp_path / "slow.yaml"
+    cfg.write_text("name: pair\nmodels:\n"
+                   f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 8192, page_size: 4}}\n"
+                   f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 8192, page_size: 4}}\n"
+                   "algorithm: {name: bernoulli, p: 0.3}\n"
+                   "executor: {mode: latency, profile: {models: {small: {base: 0.01}, large: {base: 0.01}}}}\n")
+    srv = ServerProcess(["--config", str(cfg), "--request-timeout", "0.5"])
+    try:
+        body = {"model": "pair", "prompt": ["x", "y"], "n": 3, "max_tokens": 480, "ignore_eos": True}
+        r = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=30)
+        assert r.status_code == 408
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+            text = "".join(s.iter_text())
+        assert "request_timeout" in text and text.rstrip().endswith("data: [DONE]")
+        deadline = time.monotonic() + 20
+        while True:  # every choice of both requests was aborted: no model holds a request
+            m = scrape(srv)
+            if sum(m["tokenrouter_model_live_requests"].values()) == 0:
+                break
+            assert time.monotonic() < deadline, m["tokenrouter_model_live_requests"]
+            time.sleep(0.2)
+        ok = httpx.post(f"{srv.url}/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 6
+    finally:
+        srv.stop()

@@ -202,13 +202,19 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
             async for _ in gen.events(cfg.request_timeout):
                 pass
 
+        def stopped(gen: _Gen, task: asyncio.Task[None]) -> bool:
+            """Failed, or ran over the time limit: the other choices need not run on."""
+            return ((gen.done is not None and gen.done.finish_reason == "error")
+                    or (task.done() and task.exception() is not None))
+
         tasks = [asyncio.create_task(collect(g)) for g in gens]
         try:
-            while not all(t.done() for t in tasks):
-                await asyncio.wait([t for t in tasks if not t.done()], timeout=0.5)
+            while not all(t.done() for t in tasks) and not any(stopped(g, t) for g, t in zip(gens, tasks)):
+                await asyncio.wait([t for t in tasks if not t.done()], timeout=0.5,
+                                   return_when=asyncio.FIRST_COMPLETED)
                 if not all(t.done() for t in tasks) and await request.is_disconnected():
                     raise APIError(499, "client disconnected")
-            if any(isinstance(t.exception(), TimeoutError) for t in tasks):
+            if any(t.done() and isinstance(t.exception(), TimeoutError) for t in tasks):
                 raise APIError(408, f"the request ran over the server's {cfg.request_timeout} s limit",
                                code="request_timeout")
         finally:
@@ -217,10 +223,10 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
                     task.cancel()
                     runtime.abort(gen.stream.rid)
         for gen in gens:
-            record(gen)
+            if gen.done is not None:
+                record(gen)
         for gen in gens:
-            assert gen.done is not None
-            if gen.done.finish_reason == "error":
+            if gen.done is not None and gen.done.finish_reason == "error":
                 if gen.done.fatal:
                     raise APIError(503, str(gen.done.error), type_="service_unavailable")
                 raise APIError(500, f"generation failed: {gen.done.error}", type_="internal_error")
