@@ -191,3 +191,13 @@ def test_min_tokens_holds_stop_strings_back(routed, include):
     # Tokens 1..3 are under min_tokens, so the stop string is found in the 4th.
     assert out.token_ids == [a] * 4 and out.finish_reason == "stop" and out.stop_reason == "a"
     assert out.text == ("aaaa" if include else "aaa")
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_min_tokens_and_stop_strings_in_the_single_engine(pair_paths, include):
+    llm = LLM(str(pair_paths["small"]), kv_cache_tokens=2048, page_size=4, device="cpu")
+    a = llm.get_tokenizer().convert_tokens_to_ids("a")
+    out = generate(llm, prompts_of([5], seed=2), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                                stop=["a"], logit_bias={a: 100}, min_tokens=3,
+                                                                include_stop_str_in_output=include))[0]
+    assert out.token_ids == [a] * 4 and out.finish_reason == "stop" and out.text == ("aaaa" if include else "aaa")
