@@ -29,7 +29,8 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=8)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n",
           "stream", "stream_options", "stop", "stop_token_ids", "seed", "logprobs", "top_logprobs", "echo",
-          "ignore_eos", "return_token_ids", "frequency_penalty", "presence_penalty"]
+          "ignore_eos", "return_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty",
+          "logit_bias", "min_tokens", "include_stop_str_in_output", "response_format"]
 # Mostly-valid bodies with one or two fields replaced by anything: they reach deep into the handlers.
 valid_completion = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
 valid_chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

@@ -129,7 +129,8 @@ class RoutedLLM:
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=out.first_token_time,
                                  finished_time=req.finish_time, num_cached_tokens=None,
                                  num_computed_tokens=None, num_preemptions=None)
-        extra = {"tokens_per_model": out.tokens_per_model(), "handoffs": out.handoffs, "routing": dict(req.plan.routing)}
+        extra = {"tokens_per_model": out.tokens_per_model(), "handoffs": out.handoffs,
+                 "routing": dict(req.plan.routing)}
         if req.error is not None:
             extra["error"] = req.error
         return RequestOutput(req.rid, prompt, list(req.plan.prompt_ids), [completion], req.done, metrics, extra)

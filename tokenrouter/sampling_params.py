@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -12,6 +13,13 @@ class SamplingParams:
     temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 disable those filters.
     A request with a seed samples the same tokens whatever else shares its batches: the random
     stream is a pure function of (seed, position), so no generator state has to be carried.
+
+    The logits processing fields act as vLLM's do, in its order: `logit_bias` (token id -> added
+    logit) and `min_tokens` (EOS and stop_token_ids masked, stop strings ignored, until that many
+    tokens are out), then `repetition_penalty` (divides positive / multiplies negative logits of
+    tokens seen in prompt or output), `frequency_penalty` (minus penalty x count in the output) and
+    `presence_penalty` (minus penalty once per token present in the output). Each is a function of
+    the token history only, so every model of a routed group applies the same rule.
     """
 
     max_tokens: int = 16
@@ -24,12 +32,20 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    min_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a mapping of token id to bias, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -54,6 +70,33 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be non-negative integers")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty must be a positive number, got {self.repetition_penalty}")
+        for tok, bias in self.logit_bias.items():
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias!r} for token {tok}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError when logit_bias names a token outside [0, vocab_size)."""
+        bad = sorted(t for t in self.logit_bias if t >= vocab_size)
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab_size}): {bad[:8]}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (requests without one skip the counting)."""
+        return (self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -151,7 +151,7 @@ class Engine:
             backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads // n, mc.num_kv_heads // n,
                                    mc.head_dim)
             self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs,
-                                      tp.group if tp is not None else None)
+                                      tp.group if tp is not None else None, frozenset(self.eos_token_ids))
 
     def _kv_pages(self, mc: ModelConfig) -> int:
         cfg = self.cfg
@@ -182,6 +182,7 @@ class Engine:
         validate_prompt(prompt_ids, self.model_config.vocab_size, self.max_model_len)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        params.check_vocab(self.model_config.vocab_size)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None) -> Req:
@@ -312,7 +313,7 @@ class Engine:
         det = self._detok.get(req.rid)
         if det is not None:
             new = det.add([tok])
-            if p.stop and new:
+            if p.stop and new and req.num_output > p.min_tokens:  # as vLLM: none before min_tokens
                 hit = find_stop(det.text, len(new), p.stop, p.include_stop_str_in_output)
                 if hit is not None:
                     det.text = hit.text

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from tokenrouter.engine.logits_processing import process_logits
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.sampler import Sampler, SamplingBatch
 from tokenrouter.engine.tp_step import broadcast_batch
@@ -53,7 +54,8 @@ class ModelRunner:
     """
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
-                 device: torch.device, outputs: StepOutputSpec = StepOutputSpec(), tp: TPGroup | None = None) -> None:
+                 device: torch.device, outputs: StepOutputSpec = StepOutputSpec(), tp: TPGroup | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.model = model
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.pool = pool
@@ -61,6 +63,7 @@ class ModelRunner:
         self.device = device
         self.outputs = outputs
         self.sampler = Sampler(device)
+        self.eos_token_ids = eos_token_ids  # masked while a request is below its min_tokens
 
     def build_batch(self, reqs: list[Req], extend_lens: list[int]) -> tuple[ForwardBatch, list[int]]:
         """The forward batch, and the indices (into reqs) of the requests that sample."""
@@ -116,7 +119,7 @@ class ModelRunner:
             seeds=[r.seed for r in sampled],
             positions=[len(r.tokens) for r in sampled],
         )
-        next_ids = self.sampler.sample(logits, sb)
+        next_ids = self.sampler.sample(process_logits(logits, sampled, self.eos_token_ids), sb)
         spec = self.outputs
         want_lp = any(r.params.logprobs is not None for r in sampled)
         logprobs = top_lps = entropy = None

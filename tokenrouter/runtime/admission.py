@@ -93,6 +93,10 @@ class AdmissionRules:
         validate_prompt(prompt_ids, self.vocab_size, ctx)
         # The one place the output budget is decided: the models see this cap, never the context.
         params = sampling(ctx - n if requested is None else min(requested, ctx - n))
+        try:
+            params.check_vocab(self.vocab_size)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "logit_bias") from None
         reserve = {}
         for name, pool in self.pools.items():
             reserve[name] = math.ceil((n + params.max_tokens) / pool.page_size) * pool.page_size

@@ -61,13 +61,15 @@ class Reassembly:
     finished: bool = False
     released: int = 0  # characters of text already handed out
     first_token_time: float | None = None
+    min_tokens: int = 0  # as vLLM: no stop string ends the output before this many tokens
     handoffs: int = 0  # PeerReqs sent so far, as the subservers report them (not changes of writer)
 
     @classmethod
     def of(cls, rid: str, plan: AdmittedPlan, tokenizer: Any, release_text: bool) -> Reassembly:
         p = plan.params
         detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids) if p.stop or release_text else None
-        return cls(rid, len(plan.prompt_ids), p.stop, p.include_stop_str_in_output, detok, release_text)
+        return cls(rid, len(plan.prompt_ids), p.stop, p.include_stop_str_in_output, detok, release_text,
+                   min_tokens=p.min_tokens)
 
     @property
     def next_pos(self) -> int:
@@ -107,7 +109,7 @@ class Reassembly:
     def _add_text(self, token: int) -> None:
         assert self.detok is not None
         new = self.detok.add([token])
-        if not new or not self.stops:
+        if not new or not self.stops or len(self.tokens) + 1 <= self.min_tokens:  # this token not yet placed
             return
         hit = find_stop(self.detok.text, len(new), self.stops, self.include_stop)
         if hit is not None:

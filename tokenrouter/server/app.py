@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -21,19 +21,24 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tokenrouter import __version__
 from tokenrouter.engine.request_validation import InvalidRequest
 from tokenrouter.routing import RoutingParamError
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, RequestStream, TokenOut
+from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
+from tokenrouter.server.generation import Generation, finish_reason, merged, routing, sse, total_routing, usage
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     RequestLimits,
+    TokenizeRequest,
     completion_chunk,
     parse_request,
+    parse_tool_request,
     validation_message,
 )
 
@@ -68,45 +73,6 @@ def public_message(error: str | None) -> str:
     return lines[0][:500] if lines else "unknown error"
 
 
-class _Gen:
-    """The outcome of one generation, gathered as events arrive."""
-
-    def __init__(self, stream: RequestStream) -> None:
-        self.stream = stream
-        self.tokens: list[TokenOut] = []
-        self.done: Done | None = None
-        self.text = ""
-        self.start = time.monotonic()
-        self.first_token: float | None = None
-        self.abandoned = False
-
-    async def events(self, timeout: float | None = None) -> AsyncIterator[TokenOut | Done]:
-        """Events until Done; past `timeout` seconds from the start, raise TimeoutError."""
-        while self.done is None:
-            if timeout is None:
-                item = await self.stream.events.get()
-            else:
-                left = self.start + timeout - time.monotonic()
-                item = await asyncio.wait_for(self.stream.events.get(), max(left, 0.0))
-            if isinstance(item, TokenOut):
-                if self.first_token is None:
-                    self.first_token = time.monotonic()
-                self.tokens.append(item)
-            else:
-                self.done = item
-            self.text += item.text
-            yield item
-
-
-async def _until_timeout(events: AsyncIterator[TokenOut | Done]) -> AsyncIterator[TokenOut | Done | None]:
-    """The events, then None if they stopped on the request time limit."""
-    try:
-        async for item in events:
-            yield item
-    except TimeoutError:
-        yield None
-
-
 def _check_bearer(header: str, api_key: str) -> bool:
     """Whether an Authorization header carries the key; the scheme is case-insensitive (RFC 9110)."""
     scheme, _, token = header.strip().partition(" ")
@@ -120,7 +86,7 @@ class OpenAIServer:
 
     def __init__(self, runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> None:
         self.runtime, self.tokenizer, self.cfg = runtime, tokenizer, cfg
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(cfg.model_name)
         # Parsing a large body and tokenising a long prompt take seconds: on the event loop they would
         # stall every endpoint.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenrouter-tokenize")
@@ -173,13 +139,17 @@ class OpenAIServer:
         if key is not None and not _check_bearer(request.headers.get("authorization", ""), key):
             raise APIError(401, "invalid API key", type_="authentication_error", code="invalid_api_key")
 
-    async def parse(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
+    async def read_body(self, request: Request) -> bytes:
         limit = self.cfg.max_body_bytes
         body = bytearray()
         async for part in request.stream():
             body += part
             if len(body) > limit:
                 raise APIError(413, f"the request body is over {limit} bytes", code="body_too_large")
+        return bytes(body)
+
+    async def parse(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
+        body = await self.read_body(request)
         # Parsing and validating up to max_body_bytes of JSON takes long enough to stall the loop.
         return await self.off_loop(lambda: parse_request(body, model, self.cfg.model_name, self.cfg.limits))
 
@@ -192,9 +162,9 @@ class OpenAIServer:
 
     # ---- admission: the request is checked once, by the runtime's rules, into the plan it runs ----
     def submit(self, ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams],
-               routing: dict[str, Any] | None = None) -> _Gen:
+               routing: dict[str, Any] | None = None) -> Generation:
         try:
-            return _Gen(self.runtime.submit(self.runtime.admit(ids, max_tokens, sampling, routing)))
+            return Generation(self.runtime.submit(self.runtime.admit(ids, max_tokens, sampling, routing)))
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         except RoutingParamError as e:
@@ -205,15 +175,34 @@ class OpenAIServer:
             raise APIError(503, "the server cannot take requests: the model group is not serving",
                            type_="service_unavailable") from None
 
-    def record(self, gen: _Gen) -> None:
-        assert gen.done is not None
-        m = self.metrics
-        m.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model, gen.done.handoffs)
-        m.e2e.observe(time.monotonic() - gen.start)
-        if gen.first_token is not None:
-            m.ttft.observe(gen.first_token - gen.start)
+    def submit_choices(self, prompts: list[list[int]], n: int, max_tokens: int | None,
+                       sampling: Callable[[int], SamplingParams], routing: dict[str, Any] | None) -> list[Generation]:
+        """A request's choices, each a routed request of its own: choice i*n + j is prompt i's j-th
+        (OpenAI's numbering). As vLLM, choice j of a seeded request samples with seed + j, so the n
+        choices differ. If one is refused, those already submitted are aborted."""
+        def choice(j: int) -> Callable[[int], SamplingParams]:
+            def make(cap: int) -> SamplingParams:
+                params = sampling(cap)
+                return params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
+            return make
 
-    def abandon(self, gen: _Gen) -> None:
+        gens: list[Generation] = []
+        try:
+            for ids in prompts:
+                gens += [self.submit(ids, max_tokens, choice(j), routing) for j in range(n)]
+        except APIError:
+            for gen in gens:
+                self.runtime.abort(gen.stream.rid)
+            raise
+        return gens
+
+    def record(self, gen: Generation) -> None:
+        assert gen.done is not None
+        ttft = None if gen.first_token is None else gen.first_token - gen.start
+        self.metrics.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model,
+                              gen.done.handoffs, time.monotonic() - gen.start, ttft, gen.gaps)
+
+    def abandon(self, gen: Generation) -> None:
         """The client went away or the time limit passed: abort on the group, count it (once)."""
         if gen.abandoned:
             return
@@ -225,59 +214,84 @@ class OpenAIServer:
         return APIError(408, f"the request ran over the server's {self.cfg.request_timeout} s limit",
                         code="request_timeout")
 
-    async def run_to_end(self, request: Request, gen: _Gen) -> None:
-        """Collect a whole generation; abort it if the client goes away first."""
-        async def collect() -> None:
+    async def run_to_end(self, request: Request, gens: list[Generation]) -> None:
+        """Collect whole generations (a request's choices); abort them all if the client goes away
+        first or one of them fails."""
+        async def collect(gen: Generation) -> None:
             async for _ in gen.events(self.cfg.request_timeout):
                 pass
 
-        task = asyncio.create_task(collect())
+        def stopped(gen: Generation, task: asyncio.Task[None]) -> bool:
+            """Failed, or ran over the time limit: the other choices need not run on."""
+            return ((gen.done is not None and gen.done.finish_reason == "error")
+                    or (task.done() and task.exception() is not None))
+
+        tasks = [asyncio.create_task(collect(g)) for g in gens]
         try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=0.5)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    self.abandon(gen)
+            while not all(t.done() for t in tasks) and not any(stopped(g, t) for g, t in zip(gens, tasks)):
+                await asyncio.wait([t for t in tasks if not t.done()], timeout=0.5,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not all(t.done() for t in tasks) and await request.is_disconnected():
                     raise APIError(499, "client disconnected")
-            if isinstance(task.exception(), TimeoutError):
-                self.abandon(gen)
+            if any(t.done() and isinstance(t.exception(), TimeoutError) for t in tasks):
                 raise self.timeout_error()
         finally:
-            if not task.done():
-                task.cancel()
-                self.abandon(gen)
-        self.record(gen)
-        if gen.done is not None and gen.done.finish_reason == "error":
-            raise self.generation_error(gen.stream.rid, gen.done)
+            for gen, task in zip(gens, tasks):
+                if gen.done is None:
+                    task.cancel()
+                    self.abandon(gen)
+        for gen in gens:
+            if gen.done is not None:
+                self.record(gen)
+        for gen in gens:
+            if gen.done is not None and gen.done.finish_reason == "error":
+                raise self.generation_error(gen.stream.rid, gen.done)
 
-    async def stream_events(self, gen: _Gen, chunk: Any, include_usage: bool, every_token: bool,
-                            writers: bool = False) -> AsyncIterator[str]:
-        """SSE: a chunk per token that completes text (every token when asked), a final chunk with the
-        finish reason, [DONE]. Every token appears in exactly one chunk."""
-        pending: list[TokenOut] = []  # tokens not yet in a chunk (their text is held back)
+    async def stream_events(self, gens: list[Generation], n: int, chunk: Any, usage_opts: tuple[bool, bool],
+                            every_token: bool, writers: bool = False,
+                            prefixes: list[str] | None = None) -> AsyncIterator[str]:
+        """SSE over a request's choices (choice i is gens[i]): a chunk per token that completes text
+        (every token when asked), a chunk with each choice's finish reason, [DONE]. Every token appears in
+        exactly one chunk; `prefixes` (echo) open each choice's text. With include_usage a last chunk has
+        no choices and the usage; with continuous_usage_stats too, every chunk carries the usage so far."""
+        include_usage, continuous = usage_opts
+
+        def counted(obj: dict[str, Any]) -> dict[str, Any]:
+            return {**obj, "usage": usage(gens, n)} if continuous else obj
+
+        pending: list[list[TokenOut]] = [[] for _ in gens]  # tokens not yet in a chunk (their text is held back)
+        events = merged([g.events(self.cfg.request_timeout) for g in gens])
+        completed = False
         try:
-            async for item in _until_timeout(gen.events(self.cfg.request_timeout)):
+            for i, prefix in enumerate(prefixes or []):
+                yield sse(counted(chunk(i, [], prefix, None)))
+            async for i, item in events:
                 if item is None:
                     yield sse(self.timeout_error().body())
                     break
                 if isinstance(item, TokenOut):
-                    pending.append(item)
+                    pending[i].append(item)
                     if item.text or every_token:
-                        yield sse(chunk(pending, item.text, None))
-                        pending = []
+                        yield sse(counted(chunk(i, pending[i], item.text, None)))
+                        pending[i] = []
                 else:
                     if item.finish_reason == "error":
-                        yield sse(self.generation_error(gen.stream.rid, item).body())
+                        yield sse(self.generation_error(gens[i].stream.rid, item).body())
                         break
-                    yield sse({**chunk(pending, item.text, finish_reason(item)), "routing": routing(gen, writers)})
-                    if include_usage:
-                        yield sse({**chunk([], "", None), "choices": [], "usage": usage(gen)})
+                    yield sse(counted({**chunk(i, pending[i], item.text, finish_reason(item)),
+                                       "routing": routing(gens[i], writers)}))
+            else:
+                completed = True
+            if completed and include_usage:
+                yield sse({**chunk(0, [], "", None), "choices": [], "usage": usage(gens, n)})
             yield "data: [DONE]\n\n"
         finally:
-            if gen.done is None:
-                self.abandon(gen)  # the client went away mid-stream, or the time limit passed
-            else:
-                self.record(gen)
+            await events.aclose()
+            for gen in gens:
+                if gen.done is None:
+                    self.abandon(gen)  # the client went away mid-stream, a sibling failed, or the time limit
+                else:
+                    self.record(gen)
 
     def completion_logprobs(self, toks: list[TokenOut], offset: int) -> dict[str, Any]:
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -303,30 +317,38 @@ class OpenAIServer:
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
         body: CompletionRequest = await self.parse(request, CompletionRequest)
-        prompt = body.single_prompt(self.cfg.limits)
-        if isinstance(prompt, str):
-            ids = await self.off_loop(lambda: list(self.tokenizer.encode(prompt)))
-        else:
-            ids = list(prompt)
-        gen = self.submit(ids, body.max_tokens, lambda cap: body.sampling(cap, body.logprobs), body.routing)
-        rid, created = gen.stream.rid, int(time.time())
+        n = body.n
+        prompts = body.prompts(self.cfg.limits)
+        encoded = await self.off_loop(lambda: [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
+                                               for p in prompts])
+        gens = self.submit_choices(encoded, n, body.max_tokens, lambda cap: body.sampling(cap, body.logprobs),
+                                   body.routing)
+        rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
         model_name = self.cfg.model_name
+        # echo: each choice's text opens with its prompt's text
+        echoed = ([p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts for _ in range(n)]
+                  if body.echo else None)
 
-        def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
-            return completion_chunk(rid, created, model_name, text, reason,
+        def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+            return completion_chunk(rid, created, model_name, i, text, reason,
                                     self.completion_logprobs(toks, 0) if want_lp else None,
                                     [t.token for t in toks] if body.return_token_ids else None)
 
         if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
             every = want_lp or body.return_token_ids
-            return StreamingResponse(self.stream_events(gen, chunk, include, every, body.return_token_ids),
+            return StreamingResponse(self.stream_events(gens, n, chunk, body.usage_options(), every,
+                                                        body.return_token_ids, echoed),
                                      media_type="text/event-stream")
-        await self.run_to_end(request, gen)
-        assert gen.done is not None
-        out = chunk(gen.tokens, gen.text, finish_reason(gen.done))
-        return JSONResponse({**out, "usage": usage(gen), "routing": routing(gen, body.return_token_ids)})
+        await self.run_to_end(request, gens)
+        choices = []
+        for i, gen in enumerate(gens):
+            assert gen.done is not None
+            text = (echoed[i] if echoed else "") + gen.text
+            choices.append({**chunk(i, gen.tokens, text, finish_reason(gen.done))["choices"][0],
+                            "routing": routing(gen, body.return_token_ids)})
+        out = {**chunk(0, [], "", None), "choices": choices, "usage": usage(gens, n)}
+        return JSONResponse({**out, "routing": total_routing(gens, body.return_token_ids)})
 
     async def chat_completions(self, request: Request) -> Response:
         self.check_auth(request)
@@ -339,33 +361,72 @@ class OpenAIServer:
             raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
                            param="messages") from None
         logprobs = body.requested_logprobs()
-        gen = self.submit(ids, body.max_completion_tokens or body.max_tokens, lambda cap: body.sampling(cap, logprobs),
-                          body.routing)
-        rid, created = "chat" + gen.stream.rid, int(time.time())
-        first = [True]
+        gens = self.submit_choices([ids], body.n, body.max_completion_tokens or body.max_tokens,
+                                   lambda cap: body.sampling(cap, logprobs), body.routing)
+        rid, created = "chat" + gens[0].stream.rid, int(time.time())
+        first = [True] * len(gens)
         model_name = self.cfg.model_name
 
-        def chunk(toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
+        def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
             delta: dict[str, Any] = {"content": text} if text or reason is None else {}
-            if first[0]:
+            if first[i]:
                 delta = {"role": "assistant", **delta}
-                first[0] = False
+                first[i] = False
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": 0, "delta": delta, "finish_reason": reason,
+                    "choices": [{"index": i, "delta": delta, "finish_reason": reason,
                                  "logprobs": self.chat_logprobs(toks) if logprobs is not None else None}]}
 
         if body.stream:
-            include = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self.stream_events(gen, chunk, include, logprobs is not None),
+            return StreamingResponse(self.stream_events(gens, body.n, chunk, body.usage_options(),
+                                                        logprobs is not None),
                                      media_type="text/event-stream")
-        await self.run_to_end(request, gen)
-        assert gen.done is not None
+        await self.run_to_end(request, gens)
+        choices = []
+        for i, gen in enumerate(gens):
+            assert gen.done is not None
+            choices.append({"index": i, "message": {"role": "assistant", "content": gen.text},
+                            "finish_reason": finish_reason(gen.done),
+                            "logprobs": self.chat_logprobs(gen.tokens) if logprobs is not None else None,
+                            "routing": routing(gen)})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": gen.text},
-                         "finish_reason": finish_reason(gen.done),
-                         "logprobs": self.chat_logprobs(gen.tokens) if logprobs is not None else None}],
-            "usage": usage(gen), "routing": routing(gen)})
+            "choices": choices, "usage": usage(gens, body.n), "routing": total_routing(gens)})
+
+    # ---- the endpoints vLLM users script against ------------------------------------------------
+    async def tokenize(self, request: Request) -> Response:
+        self.check_auth(request)
+        raw = await self.read_body(request)
+        body: TokenizeRequest = parse_tool_request(raw, TokenizeRequest, self.cfg.model_name)
+        body.check()
+        if body.messages is not None:
+            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            try:
+                ids = await self.off_loop(lambda: encode_chat(self.tokenizer, messages, self.cfg.chat_special_tokens,
+                                                              self.specials, body.add_generation_prompt))
+            except ChatTemplateError as e:
+                raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
+                               param="messages") from None
+        else:
+            special = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await self.off_loop(lambda: list(self.tokenizer.encode(body.prompt, add_special_tokens=special)))
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.context_len() if self.runtime.entry else None,
+                               "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(out)
+
+    async def detokenize(self, request: Request) -> Response:
+        self.check_auth(request)
+        raw = await self.read_body(request)
+        body: DetokenizeRequest = parse_tool_request(raw, DetokenizeRequest, self.cfg.model_name)
+        vocab = self.runtime.entry.vocab_size if self.runtime.entry is not None else len(self.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
+        return JSONResponse({"prompt": await self.off_loop(lambda: self.tokenizer.decode(body.tokens))})
+
+    async def version(self, request: Request) -> Response:
+        self.check_auth(request)
+        return JSONResponse({"version": __version__})
 
     async def models(self, request: Request) -> Response:
         self.check_auth(request)
@@ -385,36 +446,6 @@ class OpenAIServer:
         stats = await self.runtime.stats() if self.runtime.healthy else {}
         waiting, running = self.runtime.queue_lengths()
         return Response(self.metrics.render(stats, waiting, running), media_type="text/plain; version=0.0.4")
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def usage(gen: _Gen) -> dict[str, int]:
-    n_out = len(gen.tokens)
-    return {"prompt_tokens": gen.stream.prompt_len, "completion_tokens": n_out,
-            "total_tokens": gen.stream.prompt_len + n_out}
-
-
-def routing(gen: _Gen, writers: bool = False) -> dict[str, Any]:
-    """Tokens per model, hand-offs performed (PeerReqs sent) and the routing parameters used; with
-    `writers`, the model that wrote each token too."""
-    if gen.done is not None and gen.done.tokens_per_model:
-        per_model = gen.done.tokens_per_model
-    else:
-        per_model = {}
-        for t in gen.tokens:
-            per_model[t.model] = per_model.get(t.model, 0) + 1
-    out: dict[str, Any] = {"tokens_per_model": per_model, "handoffs": gen.done.handoffs if gen.done else 0,
-                           "params": (gen.done.routing or {}) if gen.done else {}}
-    if writers:
-        out["token_models"] = [t.model for t in gen.tokens]
-    return out
-
-
-def finish_reason(done: Done) -> str:
-    return "length" if done.finish_reason == "length" else "stop"
 
 
 def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
@@ -438,4 +469,7 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     app.add_api_route("/v1/models", server.models, methods=["GET"])
     app.add_api_route("/health", server.health, methods=["GET"])
     app.add_api_route("/metrics", server.metrics_endpoint, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/version", server.version, methods=["GET"])
     return app

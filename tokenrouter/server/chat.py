@@ -25,13 +25,13 @@ class ChatTemplateError(ValueError):
     """The chat template could not render these messages."""
 
 
-def chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def chat_prompt(tokenizer: Any, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     """The prompt text of a chat: the tokenizer's chat template, or ChatML when it has none, with the
-    assistant's turn opened."""
+    assistant's turn opened (unless asked not to)."""
     template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
     try:
-        return str(tokenizer.apply_chat_template(messages, chat_template=template, add_generation_prompt=True,
-                                                 tokenize=False))
+        return str(tokenizer.apply_chat_template(messages, chat_template=template,
+                                                 add_generation_prompt=add_generation_prompt, tokenize=False))
     except Exception as e:  # noqa: BLE001 - a template may raise anything on messages it rejects
         raise ChatTemplateError(str(e)) from None
 
@@ -44,16 +44,16 @@ def special_token_texts(tokenizer: Any) -> list[str]:
 
 
 def encode_chat(tokenizer: Any, messages: list[dict[str, str]], special_tokens: SpecialTokens,
-                specials: list[str]) -> list[int]:
+                specials: list[str], add_generation_prompt: bool = True) -> list[int]:
     """Prompt ids of a chat. Content spelling one of `specials` is escaped unless special_tokens is
     "allow": the template is rendered around placeholders, its markup tokenised as usual and each
     content tokenised with special tokens split into plain text. Chats without such content take the
     one-pass path, so their ids do not depend on the setting."""
     forged = special_tokens == "escape" and any(s in m["content"] for m in messages for s in specials)
     if not forged:
-        return list(tokenizer.encode(chat_prompt(tokenizer, messages), add_special_tokens=False))
+        return list(tokenizer.encode(chat_prompt(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
     marks = [f"\x00{uuid.uuid4().hex}\x00" for _ in messages]
-    text = chat_prompt(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)])
+    text = chat_prompt(tokenizer, [{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt)
     ids: list[int] = []
     for m, mark in zip(messages, marks):
         head, found, text = text.partition(mark)

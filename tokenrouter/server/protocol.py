@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,8 @@ class RequestLimits:
         for name, value in vars(self).items():
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+MAX_CHOICES = 128  # prompts x n in one request: each choice is a routed request of its own
+MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 
 
 class APIError(Exception):
@@ -57,7 +60,8 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # extension (vLLM): usage on every chunk
 
 
 class _Sampling(_Strict):
@@ -74,6 +78,11 @@ class _Sampling(_Strict):
     ignore_eos: bool = False  # extension
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+    repetition_penalty: float | None = None  # extension (vLLM, SGLang)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32)  # extension (vLLM, SGLang)
+    include_stop_str_in_output: bool = False  # extension (vLLM)
+    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not built yet
     # Extension: this request's routing parameters (e.g. {"threshold": 0.3} for R2R), checked by the
     # group's algorithm; the group's values are the defaults.
     routing: dict[str, Any] | None = None
@@ -82,11 +91,13 @@ class _Sampling(_Strict):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def check_common(self, limits: RequestLimits) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n={self.n} is not supported: only n=1", param="n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", param=name)
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
+                                "'text'): structured output is not built yet", param="response_format")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
         stops = self.stop_strings()
         if len(stops) > limits.max_stop_strings:
             raise APIError(400, f"stop: at most {limits.max_stop_strings} stop strings, got {len(stops)}",
@@ -96,6 +107,30 @@ class _Sampling(_Strict):
                            param="stop")
         if len(self.stop_token_ids or ()) > limits.max_stop_token_ids:
             raise APIError(400, f"stop_token_ids: at most {limits.max_stop_token_ids} ids", param="stop_token_ids")
+        if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
+            raise APIError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+
+    def usage_options(self) -> tuple[bool, bool]:
+        """(a final chunk with the usage, usage on every chunk): vLLM's reading of stream_options, where
+        continuous_usage_stats counts only together with include_usage."""
+        opts = self.stream_options
+        include = bool(opts and opts.include_usage)
+        return include, include and bool(opts and opts.continuous_usage_stats)
+
+    def token_bias(self) -> dict[int, float]:
+        """logit_bias with integer keys, each bias clamped to [-100, 100] as OpenAI and vLLM do."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+            if not 0 <= tok <= MAX_INT32:
+                raise APIError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+            if math.isnan(bias):
+                raise APIError(400, f"logit_bias of token {tok} is not a number", param="logit_bias")
+            out[tok] = min(100.0, max(-100.0, bias))
+        return out
 
     def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         temperature = 1.0 if self.temperature is None else self.temperature
@@ -107,6 +142,10 @@ class _Sampling(_Strict):
                 top_k=self.top_k or 0,
                 seed=self.seed, stop=self.stop_strings(), stop_token_ids=list(self.stop_token_ids or []),
                 ignore_eos=self.ignore_eos, logprobs=logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
+                frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                logit_bias=self.token_bias(),
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -119,18 +158,22 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     return_token_ids: bool = False  # extension (as vLLM): the choice carries its token ids
 
-    def single_prompt(self, limits: RequestLimits) -> str | list[int]:
+    def prompts(self, limits: RequestLimits) -> list[str | list[int]]:
+        """The prompts (one text or token list, or a list of them); the request makes n choices for each."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise APIError(400, "only one prompt per request is supported", param="prompt")
-            p = p[0]  # type: ignore[assignment]
-        if self.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        if len(p) > limits.max_prompt_chars:
+        prompts: list[str | list[int]] = (list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list))
+                                          else [p])  # type: ignore[list-item]
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise APIError(400, f"{len(prompts)} prompts x n={self.n} is over {MAX_CHOICES} choices", param="n")
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        total = sum(len(q) for q in prompts)
+        if total > limits.max_prompt_chars:
             raise APIError(400, f"prompt: at most {limits.max_prompt_chars} characters (or token ids), "
-                                f"got {len(p)}", param="prompt", code="prompt_too_long")
-        return p  # type: ignore[return-value]
+                                f"got {total}", param="prompt", code="prompt_too_long")
+        return prompts
 
 
 class ChatMessage(_Strict):
@@ -171,6 +214,36 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=1 << 22)
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[TokenId] = Field(max_length=1 << 20)
+
+
+def parse_tool_request(raw: bytes | bytearray, model: type[BaseModel], served_name: str) -> Any:
+    """A /tokenize or /detokenize body, whose model is optional (checked only when given)."""
+    req = _validate(raw, model)
+    name = getattr(req, "model", None)
+    if name is not None and name != served_name:
+        raise APIError(404, f"the model {name!r} does not exist; this server serves {served_name!r}",
+                       param="model", code="model_not_found")
+    return req
+
+
 def validation_message(exc: Any) -> tuple[str, str | None]:
     """A one-line message and the offending field from a pydantic ValidationError."""
     err = exc.errors()[0]
@@ -179,9 +252,8 @@ def validation_message(exc: Any) -> tuple[str, str | None]:
     return (f"{loc}: {msg}" if loc else msg), (loc or None)
 
 
-def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: str,
-                  limits: RequestLimits = RequestLimits()) -> Any:
-    """A request body as `model`, for the model named `served_name`; APIError (400/404) otherwise."""
+def _validate(raw: bytes | bytearray, model: type[BaseModel]) -> Any:
+    """`raw` JSON as `model`; APIError 400 naming the field otherwise (deep nesting included)."""
     try:
         json.loads(raw)
     except ValueError:
@@ -189,12 +261,18 @@ def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: s
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
     try:
-        req = model.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except pydantic.ValidationError as e:
         msg, param = validation_message(e)
         raise APIError(400, msg, param=param) from None
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply") from None
+
+
+def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: str,
+                  limits: RequestLimits = RequestLimits()) -> Any:
+    """A request body as `model`, for the model named `served_name`; APIError (400/404) otherwise."""
+    req = _validate(raw, model)
     if req.model != served_name:
         raise APIError(404, f"the model {req.model!r} does not exist; this server serves {served_name!r}",
                        param="model", code="model_not_found")
@@ -202,11 +280,11 @@ def parse_request(raw: bytes | bytearray, model: type[_Sampling], served_name: s
     return req
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, reason: str | None,
+def completion_chunk(rid: str, created: int, model: str, index: int, text: str, reason: str | None,
                      logprobs: dict[str, Any] | None, token_ids: list[int] | None) -> dict[str, Any]:
-    """One `text_completion` object (a whole response or a stream chunk) with a single choice;
+    """One `text_completion` object (a stream chunk, or a response's choice) with the choice `index`;
     token_ids only when the request asked for them."""
-    choice: dict[str, Any] = {"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}
+    choice: dict[str, Any] = {"index": index, "text": text, "finish_reason": reason, "logprobs": logprobs}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice]}

@@ -266,7 +266,7 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-    from tokenrouter.server.protocol import APIError, CompletionRequest, completion_chunk, parse_request
+    from tokenrouter.server.protocol import APIError, CompletionRequest, RequestLimits, completion_chunk, parse_request
 
     if tokenizer is None:
         from tokenrouter.engine.tokenizer import load_tokenizer
@@ -310,9 +310,14 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
     async def completions(request: Request) -> Response:
         check_auth(request)
         body = parse_request(await request.body(), CompletionRequest, cfg.model_name)
-        prompt = body.single_prompt()
+        prompts = body.prompts(RequestLimits())
+        if len(prompts) != 1 or body.n != 1 or body.echo:
+            raise APIError(400, "the standard-serving baseline takes one prompt, n=1 and no echo", param="prompt")
+        prompt = prompts[0]
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         params = body.sampling(1, body.logprobs)  # validates the sampling fields as the plain server does
+        if params.logit_bias or params.min_tokens or params.penalized:
+            raise APIError(400, "the standard-serving baseline takes no logit_bias, min_tokens or penalties")
         if not ids:
             raise APIError(400, "the prompt is empty", param="prompt")
         ctx = coord.context_len
@@ -339,7 +344,7 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
         want_lp = body.logprobs is not None
 
         def chunk(toks: list[TokenOut], text: str, reason: str | None, offset: int = 0) -> dict[str, Any]:
-            return completion_chunk(rid, created, cfg.model_name, text, reason,
+            return completion_chunk(rid, created, cfg.model_name, 0, text, reason,
                                     logprobs_of(toks, offset) if want_lp else None,
                                     [t.token for t in toks] if body.return_token_ids else None)
 
