@@ -212,7 +212,7 @@ def test_disconnect_mid_stream_frees_everything(server):
     ({"model": MODEL, "prompt": "a" * 600, "max_tokens": 4}, 400, "maximum context length"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
-    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n must be"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "n: Input should be greater than or equal to 1"),
     ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ({"prompt": "x"}, 400, "model"),
 ])

@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from tokenrouter.bench.server_process import ManagedProcess, free_port
+from tokenrouter.routing.bernoulli import hands_off
 from tokenrouter.server.async_entry import Done, TokenOut
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class _Gen:
     """One request's outcome, in the routed server's event types (TokenOut, Done). A token's
     top_logprobs are keyed by token text here, as the backends return them."""
 
+    rid: str
     prompt_len: int
     tokens: list[TokenOut] = field(default_factory=list)
     done: Done | None = None
@@ -99,7 +101,8 @@ class _Gen:
         per_model: dict[str, int] = {}
         for m in models:
             per_model[m] = per_model.get(m, 0) + 1
-        self.done = Done(reason, None, text, None, per_model, sum(a != b for a, b in zip(models, models[1:])))
+        self.done = Done(self.rid, reason, None, text, None, per_model,
+                         sum(a != b for a, b in zip(models, models[1:])))
         return self.done
 
     def routing(self) -> dict[str, Any]:
@@ -202,8 +205,6 @@ class Coordinator:
 
     def routed(self, seed: int, position: int) -> bool:
         """The Bernoulli router's decision for `position` (= len(prompt + output so far))."""
-        from tokenrouter.routing.bernoulli import hands_off
-
         return bool(hands_off([seed], [position], self.cfg.p)[0])
 
     async def one_token(self, b: _Backend, context: list[int], sampling: dict[str, Any]) -> tuple[int, str, Any]:
@@ -248,7 +249,7 @@ class Coordinator:
                 finish = "stop"
             elif len(gen.tokens) + 1 >= max_tokens or (self.context_len and len(context) >= self.context_len):
                 finish = "length"
-            item = TokenOut(tok, writer.name, text.release(done=finish is not None),
+            item = TokenOut(gen.rid, tok, writer.name, text.release(done=finish is not None),
                             lp["token_logprobs"][0] if lp is not None else None,
                             (lp["top_logprobs"][0] if lp.get("top_logprobs") else {}) if lp is not None else None)
             gen.tokens.append(item)
@@ -338,9 +339,9 @@ def build_app(cfg: StandardConfig, tokenizer: Any | None = None) -> Any:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
         if body.logprobs is not None:
             sampling["logprobs"] = body.logprobs
-        gen = _Gen(len(ids))
-        events = coord.generate(ids, gen, max_tokens, sampling, seed, list(params.stop))
         rid, created = f"cmpl-std-{uuid.uuid4().hex[:16]}", int(time.time())
+        gen = _Gen(rid, len(ids))
+        events = coord.generate(ids, gen, max_tokens, sampling, seed, list(params.stop))
         want_lp = body.logprobs is not None
 
         def chunk(toks: list[TokenOut], text: str, reason: str | None, offset: int = 0) -> dict[str, Any]:
