@@ -112,9 +112,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Final normalised hidden states [T, hidden] for every row of the batch."""
-        x = self.model.embed_tokens(batch.input_ids)
+        return self.forward_tokens(batch.input_ids, batch.positions, attn)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """`forward` on bare tensors, the form a compiled step traces (attn planned or bound already)."""
+        x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, batch.positions, self.rotary, attn)
+            x = layer(x, positions, self.rotary, attn)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
