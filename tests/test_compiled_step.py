@@ -26,10 +26,11 @@ SPEC = StepOutputSpec(hidden=True, logits=True, top_logits=3, entropy=True)
 MAX_BS = 4
 
 
-def _engine(path: Path, eager: bool) -> Engine:
+def _engine(path: Path, eager: bool, device: str = "cpu") -> Engine:
     # 24 pages of 4 tokens: the later requests of the script preempt earlier ones.
-    cfg = EngineConfig(model_path=str(path), device="cpu", kv_cache_tokens=96, page_size=4, max_running_requests=8,
-                       chunked_prefill_size=64, disable_cuda_graph=eager, cuda_graph_max_bs=MAX_BS)
+    cfg = EngineConfig(model_path=str(path), device=device, dtype="float32", kv_cache_tokens=96, page_size=4,
+                       max_running_requests=8, chunked_prefill_size=64, disable_cuda_graph=eager,
+                       cuda_graph_max_bs=MAX_BS)
     return Engine(cfg, outputs=SPEC)
 
 
@@ -74,8 +75,7 @@ def _script(engine: Engine, seed: int) -> tuple[list[Record], list[Req]]:
     return steps, reqs
 
 
-def test_compiled_matches_eager_at_every_bucket(engines: tuple[Engine, Engine]) -> None:
-    compiled, eager = engines
+def _check_matches_eager(compiled: Engine, eager: Engine) -> None:
     decode = compiled.runner.decode
     assert decode is not None and eager.runner.decode is None
     assert decode.buckets == [1, 2, 4]
@@ -102,6 +102,18 @@ def test_compiled_matches_eager_at_every_bucket(engines: tuple[Engine, Engine]) 
     assert {1, 2, 3, 4} <= set(sizes)  # 3 runs padded to bucket 4
     assert max(len(s) for s in got) > MAX_BS  # larger decode batches ran eagerly
     assert compiled.scheduler.num_preemptions - preempted[0] == eager.scheduler.num_preemptions - preempted[1] > 0
+
+
+def test_compiled_matches_eager_at_every_bucket(engines: tuple[Engine, Engine]) -> None:
+    _check_matches_eager(*engines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_graphs_match_eager_on_cuda(arch: str, model_paths: dict[str, Path]) -> None:
+    compiled = _engine(model_paths[arch], eager=False, device="cuda")
+    _check_matches_eager(compiled, _engine(model_paths[arch], eager=True, device="cuda"))
+    assert len(compiled.runner.decode.graphs) >= 3  # type: ignore[union-attr]
 
 
 def test_padding_rows_touch_no_request_page(engines: tuple[Engine, Engine]) -> None:
