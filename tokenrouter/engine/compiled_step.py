@@ -5,8 +5,12 @@ A batch in which every request feeds one token and samples is padded to the next
 dropped. The step (model, logits and the StepOutputSpec outputs) runs as one prepared callable over
 `DecodeInputs` (tokenrouter/models/attention/static_decode.py):
 
-- CPU: `torch.compile` of the step, one static-shape graph per bucket, the key length S marked
-  dynamic (it grows every step). Measured on SmolLM2-135M, one thread: see docs/BENCHMARKS.md.
+- CPU: `torch.compile` (inductor) of one decoder layer, which every layer calls (their weights and
+  layer index are graph inputs), and of the output head (logits and the StepOutputSpec outputs):
+  a static-shape graph per bucket, the key length S marked dynamic (it grows every step).
+  Compiling the whole step instead unrolls every layer into one graph: on SmolLM2-135M (30
+  layers) that took over 20 minutes for two buckets on a loaded 2-core machine, against two layer
+  graphs per bucket whatever the depth here.
 - CUDA: one `torch.cuda.CUDAGraph` per (bucket, S rounded up to a power of two), all in one memory
   pool; the runner copies each step's inputs into the graph's static buffers and replays. The
   buckets at the shortest S are captured at start-up, longer ones when first needed.
@@ -21,6 +25,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,7 +35,8 @@ from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_outputs import StepOutputSpec, StepTensors, step_tensors
 from tokenrouter.models.attention.static_decode import DecodeInputs, StaticDecodeAttention, decode_inputs
 from tokenrouter.models.kv_pool import KVPool
-from tokenrouter.models.llama import LlamaForCausalLM
+from tokenrouter.models.layers import RotaryEmbedding
+from tokenrouter.models.llama import DecoderLayer, LayerCall, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +58,15 @@ def inductor_cache_dir() -> Path:
     return Path(root) / "inductor"
 
 
-def _decode_step(model: LlamaForCausalLM, attn: StaticDecodeAttention, spec: StepOutputSpec,
-                 inputs: DecodeInputs) -> StepTensors:
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+               attn: StaticDecodeAttention) -> torch.Tensor:
+    return layer(x, positions, rotary, attn)
+
+
+def _decode_step(model: LlamaForCausalLM, attn: StaticDecodeAttention, run_layer: LayerCall | None,
+                 head: Callable[[torch.Tensor], StepTensors], inputs: DecodeInputs) -> StepTensors:
     attn.bind(inputs)
-    hidden = model.forward_tokens(inputs.input_ids, inputs.positions, attn)
-    return step_tensors(model, hidden, spec)
+    return head(model.forward_tokens(inputs.input_ids, inputs.positions, attn, run_layer))
 
 
 class CompiledDecode:
@@ -71,22 +81,28 @@ class CompiledDecode:
         self.max_seq = max_seq
         self.attn = StaticDecodeAttention(pool, num_heads, num_kv_heads, head_dim)
         self.mask_dtype = self.attn.compute_dtype
-        step = functools.partial(_decode_step, model, self.attn, spec)
+        head = functools.partial(step_tensors, model, spec=spec)
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.step = step
+        if self.cuda:  # the graph captures the whole step
+            self.step = functools.partial(_decode_step, model, self.attn, None, head)
             self.mem_pool = torch.cuda.graph_pool_handle()
             self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, StepTensors]] = {}
         else:
             # Importing inductor writes its /tmp default into the variable: only a value someone chose stays.
             if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-            # One graph per bucket (and a recompile when a bucket first sees a dynamic S).
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 2)
+            # The layer index (an int attribute of each layer) is a graph input, not a constant: one
+            # graph serves every layer (the first layer's call compiles, the second makes the index
+            # dynamic), so each bucket compiles two layer graphs and a head graph.
+            torch._dynamo.config.allow_unspec_int_on_nn_module = True
+            limit = 4 * len(self.buckets) + 4
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
             torch._dynamo.config.accumulated_recompile_limit = max(
-                torch._dynamo.config.accumulated_recompile_limit, 4 * len(self.buckets) + 8)
+                torch._dynamo.config.accumulated_recompile_limit, 2 * limit)
             self.dynamic_batch = dynamic_batch
-            self.step = torch.compile(step, dynamic=True if dynamic_batch else False)
+            dynamic = True if dynamic_batch else False
+            self.step = functools.partial(_decode_step, model, self.attn, torch.compile(_run_layer, dynamic=dynamic),
+                                          torch.compile(head, dynamic=dynamic))
 
     def accepts(self, reqs: list[Req], extend_lens: list[int]) -> bool:
         return len(reqs) <= self.max_bs and all(
