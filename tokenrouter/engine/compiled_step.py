@@ -5,12 +5,12 @@ A batch in which every request feeds one token and samples is padded to the next
 dropped. The step (model, logits and the StepOutputSpec outputs) runs as one prepared callable over
 `DecodeInputs` (tokenrouter/models/attention/static_decode.py):
 
-- CPU: `torch.compile` (inductor) of one decoder layer, which every layer calls (their weights and
-  layer index are graph inputs), and of the output head (logits and the StepOutputSpec outputs):
-  a static-shape graph per bucket, the key length S marked dynamic (it grows every step).
-  Compiling the whole step instead unrolls every layer into one graph: on SmolLM2-135M (30
-  layers) that took over 20 minutes for two buckets on a loaded 2-core machine, against two layer
-  graphs per bucket whatever the depth here.
+- CPU: `torch.compile` (inductor) of one decoder layer, which every layer calls (its weights are
+  graph inputs and its KV a tensor offset into the pool, see StaticDecodeAttention.enter_layer), and
+  of the output head (logits and the StepOutputSpec outputs): a static-shape graph per bucket, the
+  key length S marked dynamic (it grows every step). Compiling the whole step instead unrolls every
+  layer into one graph: for SmolLM2-135M (30 layers) that took 22 minutes for two buckets on a
+  loaded 2-core machine.
 - CUDA: one `torch.cuda.CUDAGraph` per (bucket, S rounded up to a power of two), all in one memory
   pool; the runner copies each step's inputs into the graph's static buffers and replays. The
   buckets at the shortest S are captured at start-up, longer ones when first needed.
@@ -63,9 +63,15 @@ def _run_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, ro
     return layer(x, positions, rotary, attn)
 
 
-def _decode_step(model: LlamaForCausalLM, attn: StaticDecodeAttention, run_layer: LayerCall | None,
+def _decode_step(model: LlamaForCausalLM, attn: StaticDecodeAttention, layer_fn: LayerCall,
                  head: Callable[[torch.Tensor], StepTensors], inputs: DecodeInputs) -> StepTensors:
     attn.bind(inputs)
+
+    def run_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                  attn: StaticDecodeAttention) -> torch.Tensor:
+        attn.enter_layer(layer.self_attn.layer)
+        return layer_fn(layer, x, positions, rotary, attn)
+
     return head(model.forward_tokens(inputs.input_ids, inputs.positions, attn, run_layer))
 
 
@@ -84,18 +90,16 @@ class CompiledDecode:
         head = functools.partial(step_tensors, model, spec=spec)
         self.cuda = device.type == "cuda"
         if self.cuda:  # the graph captures the whole step
-            self.step = functools.partial(_decode_step, model, self.attn, None, head)
+            self.step = functools.partial(_decode_step, model, self.attn, _run_layer, head)
             self.mem_pool = torch.cuda.graph_pool_handle()
             self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, StepTensors]] = {}
         else:
             # Importing inductor writes its /tmp default into the variable: only a value someone chose stays.
             if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
-            # The layer index (an int attribute of each layer) is a graph input, not a constant: one
-            # graph serves every layer (the first layer's call compiles, the second makes the index
-            # dynamic), so each bucket compiles two layer graphs and a head graph.
-            torch._dynamo.config.allow_unspec_int_on_nn_module = True
-            limit = 4 * len(self.buckets) + 4
+            # Each bucket compiles one layer graph (the layer's KV is a tensor offset, its weights are
+            # graph inputs) and one head graph.
+            limit = 2 * len(self.buckets) + 4
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 2 * limit)

@@ -67,17 +67,26 @@ class StaticDecodeAttention(AttentionBackend):
     def bind(self, inputs: DecodeInputs) -> None:
         self.inputs = inputs
 
+    def enter_layer(self, layer: int) -> None:
+        """Select the layer's KV by a tensor offset into the whole pool, set before the layer runs:
+        a compiled layer then reads no layer number, so one graph serves every layer."""
+        if not hasattr(self, "_offsets"):
+            per_layer = self.pool.k.shape[1] * self.num_kv_heads
+            self._offsets = [torch.tensor(i * per_layer, device=self.pool.k.device) for i in range(self.pool.k.shape[0])]
+        self.layer_offset = self._offsets[layer]
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        inp, cdt = self.inputs, self.compute_dtype
-        kc, vc = self.pool.k[layer], self.pool.v[layer]
-        kc.index_copy_(0, inp.out_slots, k)
-        vc.index_copy_(0, inp.out_slots, v)
+        inp, cdt, off = self.inputs, self.compute_dtype, self.layer_offset
+        kf, vf = self.pool.k.view(-1, d), self.pool.v.view(-1, d)  # [layers * slots * Hkv, D]
+        dest = (inp.out_slots[:, None] * hkv + torch.arange(hkv, device=q.device) + off).reshape(-1)
+        kf.index_copy_(0, dest, k.reshape(-1, d))
+        vf.index_copy_(0, dest, v.reshape(-1, d))
         rows, seq = inp.kv_index.shape
-        index = inp.kv_index.reshape(-1)
+        index = inp.kv_index.reshape(-1) + off
         qd = q.reshape(rows, h // hkv, d).to(cdt)  # query head j uses KV head j // G
-        keys = kc.view(-1, d).index_select(0, index).view(rows, seq, d).to(cdt)
-        values = vc.view(-1, d).index_select(0, index).view(rows, seq, d).to(cdt)
+        keys = kf.index_select(0, index).view(rows, seq, d).to(cdt)
+        values = vf.index_select(0, index).view(rows, seq, d).to(cdt)
         scores = torch.baddbmm(inp.kv_mask, qd, keys.transpose(1, 2), alpha=self.scale)
         out = torch.bmm(torch.softmax(scores, dim=-1), values)
         return out.view(-1, h, d).to(q.dtype)
