@@ -8,7 +8,8 @@ dropped. The step (model, logits and the StepOutputSpec outputs) runs as one pre
 - CPU: `torch.compile` (inductor) of one decoder layer, which every layer calls (its weights are
   graph inputs and its KV a tensor offset into the pool, see StaticDecodeAttention.enter_layer), and
   of the output head (logits and the StepOutputSpec outputs): a static-shape graph per bucket, the
-  key length S marked dynamic (it grows every step). Compiling the whole step instead unrolls every
+  key length S marked dynamic (it grows every step). A batch dimension marked dynamic too (one graph
+  for every bucket) was no faster (docs/BENCHMARKS.md). Compiling the whole step instead unrolls every
   layer into one graph: for SmolLM2-135M (30 layers) that took 22 minutes for two buckets on a
   loaded 2-core machine.
 - CUDA: one `torch.cuda.CUDAGraph` per (bucket, S rounded up to a power of two), all in one memory
@@ -79,8 +80,7 @@ class CompiledDecode:
     """Runs all-decode batches of up to `max_bs` requests through the step prepared for their bucket."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device, spec: StepOutputSpec, max_bs: int, max_seq: int,
-                 dynamic_batch: bool = False) -> None:
+                 device: torch.device, spec: StepOutputSpec, max_bs: int, max_seq: int) -> None:
         self.pool, self.device, self.num_kv_heads = pool, device, num_kv_heads
         self.buckets = batch_buckets(max_bs)
         self.max_bs = max_bs
@@ -103,10 +103,8 @@ class CompiledDecode:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
             torch._dynamo.config.accumulated_recompile_limit = max(
                 torch._dynamo.config.accumulated_recompile_limit, 2 * limit)
-            self.dynamic_batch = dynamic_batch
-            dynamic = True if dynamic_batch else False
-            self.step = functools.partial(_decode_step, model, self.attn, torch.compile(_run_layer, dynamic=dynamic),
-                                          torch.compile(head, dynamic=dynamic))
+            self.step = functools.partial(_decode_step, model, self.attn, torch.compile(_run_layer, dynamic=False),
+                                          torch.compile(head, dynamic=False))
 
     def accepts(self, reqs: list[Req], extend_lens: list[int]) -> bool:
         return len(reqs) <= self.max_bs and all(
@@ -130,7 +128,7 @@ class CompiledDecode:
 
     def run(self, reqs: list[Req]) -> StepTensors:
         """Outputs for the rows of reqs (each feeding its last token), in order."""
-        bs = len(reqs) if not self.cuda and self.dynamic_batch else next(b for b in self.buckets if b >= len(reqs))
+        bs = next(b for b in self.buckets if b >= len(reqs))
         kv = [r.kv_len for r in reqs]
         inputs = decode_inputs(self.pool, self.num_kv_heads, [r.tokens[-1] for r in reqs], kv,
                                [r.pages for r in reqs], bs, self._seq(max(kv) + 1), self.mask_dtype)
