@@ -134,3 +134,16 @@ def test_buckets_and_config() -> None:
     assert batch_buckets(1) == [1]
     with pytest.raises(ValueError, match="cuda_graph_max_bs"):
         EngineConfig(model_path="x", cuda_graph_max_bs=0)
+
+
+def test_cli_flags() -> None:
+    import argparse
+
+    from tokenrouter.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--enforce-eager", "--cuda-graph-max-bs", "8"]))
+    assert kw["disable_cuda_graph"] is True and kw["cuda_graph_max_bs"] == 8
+    assert engine_kwargs(p.parse_args(["--disable-cuda-graph"]))["disable_cuda_graph"] is True
+    assert "disable_cuda_graph" not in engine_kwargs(p.parse_args([]))  # the EngineConfig default stands
