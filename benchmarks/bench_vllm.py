@@ -31,6 +31,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,7 +56,8 @@ def plan(sizes: dict, vocab: int, seed: int) -> list[dict]:
     for b in sizes["decode_batches"]:
         # Other ids of the same length for the 1-token run, so the prefix cache gives neither run anything.
         runs.append(dict(name=f"decode-bs{b}/1", prompts=prompts(b, sizes["decode_prompt"]), output=1))
-        runs.append(dict(name=f"decode-bs{b}", prompts=prompts(b, sizes["decode_prompt"]), output=sizes["decode_output"]))
+        runs.append(dict(name=f"decode-bs{b}", prompts=prompts(b, sizes["decode_prompt"]),
+                         output=sizes["decode_output"]))
     n, p, o = sizes["prefill"]
     runs.append(dict(name="prefill", prompts=prompts(n, p), output=o))
     return runs
@@ -167,16 +169,27 @@ def main() -> None:
     try:
         for system in systems:
             python = ensure_vllm_venv(venv) if system.startswith("vllm") else Path(sys.executable)
-            result = work / f"{system}.json"
-            cmd = [str(python), __file__, "--worker", system, "--spec", str(work / "spec.json"), "--result", str(result)]
+            result, log = work / f"{system}.json", work / f"{system}.log"
+            cmd = [str(python), __file__, "--worker", system, "--spec", str(work / "spec.json"),
+                   "--result", str(result)]
             print(f"running {system} ...", flush=True)
-            try:
-                proc = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-                err = "" if proc.returncode == 0 else (proc.stderr.strip().splitlines() or ["?"])[-1]
-            except subprocess.TimeoutExpired:
-                err = f"timed out after {args.timeout:.0f} s"
+            # Output to a file, not a pipe (vLLM's helper processes can outlive the worker and hold a
+            # pipe open); its own session, so a timeout kills the helpers too.
+            with log.open("w") as out:
+                proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                try:
+                    rc = proc.wait(timeout=args.timeout)
+                    err = "" if rc == 0 else f"exit code {rc}"
+                except subprocess.TimeoutExpired:
+                    err = f"timed out after {args.timeout:.0f} s"
+                finally:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
             if err:
-                print(f"  {system} failed: {err}", flush=True)
+                tail = log.read_text(errors="replace").strip().splitlines()[-15:]
+                print(f"  {system} failed: {err}; the end of its output:\n    " + "\n    ".join(tail), flush=True)
                 results[system] = dict(error=err)
             else:
                 results[system] = json.loads(result.read_text())

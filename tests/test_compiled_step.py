@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from engine_utils import prompts_of
+
 from tokenrouter.engine.compiled_step import batch_buckets
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine

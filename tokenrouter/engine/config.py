@@ -51,7 +51,8 @@ class EngineConfig:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
-        if self.cuda_graph_max_bs is not None and (isinstance(self.cuda_graph_max_bs, bool) or self.cuda_graph_max_bs < 1):
+        max_bs = self.cuda_graph_max_bs
+        if max_bs is not None and (isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1):
             raise ValueError(f"cuda_graph_max_bs must be an integer >= 1, got {self.cuda_graph_max_bs!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

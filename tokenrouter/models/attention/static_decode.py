@@ -37,7 +37,7 @@ def decode_inputs(pool: KVPool, num_kv_heads: int, tokens: list[int], kv_lens: l
     scratch_page = pool.scratch_slot // p
     width = -(-seq // p)
     table = torch.full((batch, width), scratch_page, dtype=torch.int64)
-    for i, (k, pg) in enumerate(zip(kv_lens, pages)):
+    for i, pg in enumerate(pages):
         m = min(len(pg), width)
         table[i, :m] = torch.tensor(pg[:m], dtype=torch.int64)
     lens = torch.zeros(batch, dtype=torch.int64)  # padding rows: position 0 of the scratch page
@@ -71,8 +71,8 @@ class StaticDecodeAttention(AttentionBackend):
         """Select the layer's KV by a tensor offset into the whole pool, set before the layer runs:
         a compiled layer then reads no layer number, so one graph serves every layer."""
         if not hasattr(self, "_offsets"):
-            per_layer = self.pool.k.shape[1] * self.num_kv_heads
-            self._offsets = [torch.tensor(i * per_layer, device=self.pool.k.device) for i in range(self.pool.k.shape[0])]
+            layers, slots, dev = self.pool.k.shape[0], self.pool.k.shape[1], self.pool.k.device
+            self._offsets = [torch.tensor(i * slots * self.num_kv_heads, device=dev) for i in range(layers)]
         self.layer_offset = self._offsets[layer]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
