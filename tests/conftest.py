@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Engines run decode eagerly unless a test asks for the compiled step (tests/test_compiled_step.py shares
+# one compiled engine per model), so no test pays a compile; subprocesses inherit this.
+os.environ.setdefault("TOKENROUTER_DISABLE_CUDA_GRAPH", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -13,9 +13,10 @@ def make_pool(num_pages=8, page_size=4):
 
 def test_shapes_and_capacity():
     pool = make_pool(num_pages=5, page_size=3)
-    assert pool.k.shape == (2, 15, 1, 2)
-    assert pool.v.shape == (2, 15, 1, 2)
+    assert pool.k.shape == (2, 18, 1, 2)  # 5 pages and the scratch page
+    assert pool.v.shape == (2, 18, 1, 2)
     assert pool.capacity_tokens == 15
+    assert pool.scratch_slot == 15
     assert pool.num_free == 5
     assert pool.free_pages == set(range(5))
     assert KVPool.bytes_per_token(2, 1, 2, torch.float32) == 2 * 2 * 1 * 2 * 4

@@ -38,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=1, help="torch threads on CPU (default 1)")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes; gloo on CPU, NCCL on CUDA)")
+    g.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
+                   default=None, help="run decode steps eagerly (default: compiled per batch bucket)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                   help="largest decode batch compiled (default: --max-running-requests)")
     g.add_argument("--random-seed", dest="seed", type=int, default=0)
     for action in g._group_actions:
         if action.dest not in ("model_path", "seed"):
@@ -65,7 +69,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
         kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
         enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend,
-        seed=args.seed, num_threads=args.num_threads, tp_size=args.tp_size,
+        seed=args.seed, num_threads=args.num_threads, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        # Unset, the EngineConfig default stands (TOKENROUTER_DISABLE_CUDA_GRAPH may set it).
+        **({} if args.disable_cuda_graph is None else {"disable_cuda_graph": True}),
     )
 
 

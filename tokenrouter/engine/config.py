@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
+
+# Set to 1 (the test suite does) to make every engine that does not choose run its decode steps eagerly.
+DISABLE_CUDA_GRAPH_ENV = "TOKENROUTER_DISABLE_CUDA_GRAPH"
+
+
+def _cuda_graph_disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_CUDA_GRAPH_ENV, "") == "1"
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,6 +37,10 @@ class EngineConfig:
     # Tensor parallelism: ranks 1..tp_size-1 run in worker processes the engine spawns (gloo on CPU,
     # NCCL on CUDA, where rank r uses the GPU r places after `device`).
     tp_size: int = 1
+    # Decode steps run compiled per batch bucket (CUDA graphs on CUDA, torch.compile on CPU; SGLang's
+    # names); true runs every step eagerly. Prefill always runs eagerly.
+    disable_cuda_graph: bool = field(default_factory=_cuda_graph_disabled_by_env)
+    cuda_graph_max_bs: int | None = None  # largest decode batch compiled; default max_running_requests
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -38,6 +51,9 @@ class EngineConfig:
             raise ValueError(f"mem_fraction must be in (0, 1), got {self.mem_fraction}")
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size < 1:
             raise ValueError(f"tp_size must be an integer >= 1, got {self.tp_size!r}")
+        max_bs = self.cuda_graph_max_bs
+        if max_bs is not None and (isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1):
+            raise ValueError(f"cuda_graph_max_bs must be an integer >= 1, got {self.cuda_graph_max_bs!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

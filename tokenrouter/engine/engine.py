@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from tokenrouter.engine.compiled_step import CompiledDecode
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.latency_model import LatencyModelRunner
 from tokenrouter.engine.model_loader import load_model
@@ -151,7 +152,22 @@ class Engine:
             backend = make_backend(cfg.attention_backend, self.pool, mc.num_heads // n, mc.num_kv_heads // n,
                                    mc.head_dim)
             self.runner = ModelRunner(self.model, self.pool, backend, self.device, outputs,
-                                      tp.group if tp is not None else None, frozenset(self.eos_token_ids))
+                                      tp.group if tp is not None else None, frozenset(self.eos_token_ids),
+                                      self._compiled_decode(mc, outputs))
+
+    def _compiled_decode(self, mc: ModelConfig, outputs: StepOutputSpec) -> CompiledDecode | None:
+        """The compiled decode step, warmed up (compiled or captured) for every batch bucket."""
+        cfg = self.cfg
+        if cfg.disable_cuda_graph or self.tp is not None:
+            return None
+        assert self.model is not None
+        max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)
+        decode = CompiledDecode(self.model, self.pool, mc.num_heads, mc.num_kv_heads, mc.head_dim, self.device,
+                                outputs, max_bs, self.max_model_len)
+        seconds = decode.warm_up()
+        logger.info("%s: decode step %s for batch sizes %s in %.1f s", cfg.model_path,
+                       "captured" if self.device.type == "cuda" else "compiled", decode.buckets, seconds)
+        return decode
 
     def _kv_pages(self, mc: ModelConfig) -> int:
         cfg = self.cfg

@@ -8,24 +8,17 @@ from typing import NamedTuple
 
 import torch
 
+from tokenrouter.engine.compiled_step import CompiledDecode
 from tokenrouter.engine.logits_processing import process_logits
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.sampler import Sampler, SamplingBatch
+from tokenrouter.engine.step_outputs import StepOutputSpec, StepTensors, step_tensors
 from tokenrouter.engine.tp_step import broadcast_batch
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.kv_pool import KVPool
 from tokenrouter.models.llama import LlamaForCausalLM
 from tokenrouter.models.tp_group import TPGroup
-
-
-class StepOutputSpec(NamedTuple):
-    """Which outputs beyond the sampled token a step computes (routing algorithms declare these)."""
-
-    hidden: bool = False  # last hidden state of each sampled row
-    logits: bool = False  # full float32 logits
-    top_logits: int = 0  # the k largest logits and their token ids
-    entropy: bool = False  # entropy (nats) of the temperature-1 distribution
 
 
 class StepOutput(NamedTuple):
@@ -51,11 +44,14 @@ class ModelRunner:
     Under tensor parallelism (`tp` of size > 1) this is rank 0: each step's batch is broadcast to the
     other ranks before the forward (they run the same model code, so the collectives pair up), and
     sampling happens here only.
+
+    `decode`, when given, runs the batches it accepts (every request decoding one token) through a
+    compiled step (tokenrouter/engine/compiled_step.py); the rest run eagerly here.
     """
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
                  device: torch.device, outputs: StepOutputSpec = StepOutputSpec(), tp: TPGroup | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), decode: CompiledDecode | None = None) -> None:
         self.model = model
         self.tp = tp if tp is not None and tp.size > 1 else None
         self.pool = pool
@@ -64,6 +60,7 @@ class ModelRunner:
         self.outputs = outputs
         self.sampler = Sampler(device)
         self.eos_token_ids = eos_token_ids  # masked while a request is below its min_tokens
+        self.decode = decode
 
     def build_batch(self, reqs: list[Req], extend_lens: list[int]) -> tuple[ForwardBatch, list[int]]:
         """The forward batch, and the indices (into reqs) of the requests that sample."""
@@ -102,6 +99,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
+        if self.decode is not None and self.decode.accepts(reqs, extend_lens):
+            return self._sample(reqs, self.decode.run(reqs))
         batch, sampled_idx = self.build_batch(reqs, extend_lens)
         if self.tp is not None:
             broadcast_batch(self.tp, batch)
@@ -110,8 +109,9 @@ class ModelRunner:
         sampled = [reqs[i] for i in sampled_idx]
         if not sampled:
             return StepOutput([], [], None, None, None, None, None, None)
-        h = hidden[batch.sample_rows]
-        logits = self.model.compute_logits(h)
+        return self._sample(sampled, step_tensors(self.model, hidden[batch.sample_rows], self.outputs))
+
+    def _sample(self, sampled: list[Req], t: StepTensors) -> StepOutput:
         sb = SamplingBatch(
             temperatures=[r.params.temperature for r in sampled],
             top_ks=[r.params.top_k for r in sampled],
@@ -119,30 +119,22 @@ class ModelRunner:
             seeds=[r.seed for r in sampled],
             positions=[len(r.tokens) for r in sampled],
         )
-        next_ids = self.sampler.sample(process_logits(logits, sampled, self.eos_token_ids), sb)
+        next_ids = self.sampler.sample(process_logits(t.logits, sampled, self.eos_token_ids), sb)
         spec = self.outputs
-        want_lp = any(r.params.logprobs is not None for r in sampled)
-        logprobs = top_lps = entropy = None
-        if want_lp or spec.entropy:
-            lsm = torch.log_softmax(logits, dim=-1)
-            if spec.entropy:
-                entropy = -(lsm.exp() * lsm).sum(dim=-1)
-            if want_lp:
-                logprobs = lsm.gather(1, next_ids[:, None]).squeeze(1).tolist()
-                top_lps = self._top_logprobs(lsm, sampled)
-        top = None
-        if spec.top_logits:
-            vals, ids = logits.topk(spec.top_logits, dim=-1)
-            top = (vals, ids)
+        logprobs = top_lps = None
+        if any(r.params.logprobs is not None for r in sampled):
+            lsm = torch.log_softmax(t.logits, dim=-1)
+            logprobs = lsm.gather(1, next_ids[:, None]).squeeze(1).tolist()
+            top_lps = self._top_logprobs(lsm, sampled)
         return StepOutput(
             reqs=sampled,
             token_ids=next_ids.tolist(),
             logprobs=logprobs,
             top_logprobs=top_lps,
-            hidden=h if spec.hidden else None,
-            logits=logits if spec.logits else None,
-            top_logits=top,
-            entropy=entropy,
+            hidden=t.hidden if spec.hidden else None,
+            logits=t.logits if spec.logits else None,
+            top_logits=t.top_logits,
+            entropy=t.entropy,
         )
 
     @staticmethod

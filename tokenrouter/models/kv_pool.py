@@ -22,6 +22,9 @@ class KVPool:
     i % page_size`. The pool only knows which pages are free; ownership of the others (a request's
     private pages or the prefix cache's) is tracked by their owners, and `Scheduler.check_integrity`
     checks that the three sets add up to the whole pool.
+
+    One more page past the last, never handed out, is scratch: the padding rows of a compiled decode
+    step (batches padded to a fixed size) write their K/V there, so they touch no request's pages.
     """
 
     def __init__(
@@ -38,7 +41,8 @@ class KVPool:
             raise ValueError(f"KV pool needs at least one page of at least one token, got {num_pages} x {page_size}")
         self.num_pages = num_pages
         self.page_size = page_size
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        self.scratch_slot = num_pages * page_size  # first slot of the scratch page
+        shape = (num_layers, (num_pages + 1) * page_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         # Pop from the end: low page ids are handed out first, which keeps runs deterministic.

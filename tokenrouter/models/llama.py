@@ -12,7 +12,7 @@ checkpoint tensor a rank reads. With the default group of size 1 nothing is spli
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -82,6 +82,9 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+LayerCall = Callable[[DecoderLayer, torch.Tensor, torch.Tensor, RotaryEmbedding, AttentionBackend], torch.Tensor]
+
+
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
 _STACKED = {
     ".q_proj.": (".qkv_proj.", 0),
@@ -112,9 +115,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
         """Final normalised hidden states [T, hidden] for every row of the batch."""
-        x = self.model.embed_tokens(batch.input_ids)
+        return self.forward_tokens(batch.input_ids, batch.positions, attn)
+
+    def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                       run_layer: LayerCall | None = None) -> torch.Tensor:
+        """`forward` on bare tensors (attn planned or bound already). `run_layer(layer, x, positions,
+        rotary, attn)` runs each decoder layer in place of a plain call: the compiled decode step
+        passes one compiled function that serves every layer."""
+        x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, batch.positions, self.rotary, attn)
+            x = layer(x, positions, self.rotary, attn) if run_layer is None else run_layer(
+                layer, x, positions, self.rotary, attn)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

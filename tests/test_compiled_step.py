@@ -1,0 +1,149 @@
+"""The compiled decode step writes what the eager step writes: same greedy tokens, logits within 1e-4.
+
+One compiled engine per model for the whole module (compiling is the slow part), buckets 1, 2, 4
+(`cuda_graph_max_bs=4`), driven side by side with an eager engine of the same settings through one
+script that reaches every bucket, a padded one (3 rows in bucket 4), batches too large for any
+bucket, prefix-cache hits, preemption and a PENDING request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_utils import prompts_of
+
+from tokenrouter.engine.compiled_step import batch_buckets
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.engine.req import Req
+from tokenrouter.sampling_params import SamplingParams
+
+SPEC = StepOutputSpec(hidden=True, logits=True, top_logits=3, entropy=True)
+MAX_BS = 4
+
+
+def _engine(path: Path, eager: bool, device: str = "cpu") -> Engine:
+    # 24 pages of 4 tokens: the later requests of the script preempt earlier ones.
+    cfg = EngineConfig(model_path=str(path), device=device, dtype="float32", kv_cache_tokens=96, page_size=4,
+                       max_running_requests=8, chunked_prefill_size=64, disable_cuda_graph=eager,
+                       cuda_graph_max_bs=MAX_BS)
+    return Engine(cfg, outputs=SPEC)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def engines(request: pytest.FixtureRequest, model_paths: dict[str, Path]) -> tuple[Engine, Engine]:
+    path = model_paths[request.param]
+    return _engine(path, eager=False), _engine(path, eager=True)
+
+
+Record = list[tuple[str, int, dict[str, Any]]]  # per sampled row: rid, token, its outputs
+
+
+def _rows(out: StepOutput) -> Record:
+    assert out.hidden is not None and out.logits is not None and out.top_logits is not None and out.entropy is not None
+    return [(r.rid, tok, {"hidden": out.hidden[i], "logits": out.logits[i], "top_vals": out.top_logits[0][i],
+                          "top_ids": out.top_logits[1][i], "entropy": out.entropy[i]})
+            for i, (r, tok) in enumerate(zip(out.reqs, out.token_ids))]
+
+
+def _script(engine: Engine, seed: int) -> tuple[list[Record], list[Req]]:
+    """Requests arrive over time, one goes PENDING for a while, later ones share earlier prefixes."""
+    base = prompts_of([9, 14, 6, 11], seed=seed)
+    later = [base[0][:8] + p for p in prompts_of([3, 5], seed=seed + 1)] + [base[1] + [7]]
+    arrivals = {0: base[:1], 2: base[1:2], 4: base[2:4], 12: later}
+    short, long = (SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (12, 24))
+    reqs: list[Req] = []
+    steps: list[Record] = []
+    for i in range(500):
+        for p in arrivals.get(i, []):
+            # The late requests outgrow the pool together (3 x 10 pages > 24): preemption.
+            reqs.append(engine.add_request(p, long if i == 12 else short))
+        if i == 7:
+            engine.scheduler.set_pending(reqs[1])
+        if i == 11:
+            engine.scheduler.resume(reqs[1])
+        if not engine.has_unfinished():
+            break
+        result = engine.step()
+        steps.append([] if result.step is None else _rows(result.step))
+        engine.check_integrity()
+    assert not engine.has_unfinished()
+    return steps, reqs
+
+
+def _check_matches_eager(compiled: Engine, eager: Engine) -> None:
+    decode = compiled.runner.decode
+    assert decode is not None and eager.runner.decode is None
+    assert decode.buckets == [1, 2, 4]
+    sizes: list[int] = []
+    run = decode.run
+    decode.run = lambda reqs: sizes.append(len(reqs)) or run(reqs)  # type: ignore[method-assign]
+    preempted = compiled.scheduler.num_preemptions, eager.scheduler.num_preemptions
+    torch._dynamo.config.error_on_recompile = True  # warm-up compiled every bucket for every key length
+    try:
+        for seed in (5, 6):
+            got, got_reqs = _script(compiled, seed)
+            want, want_reqs = _script(eager, seed)
+            assert [r.tokens for r in got_reqs] == [r.tokens for r in want_reqs]
+            assert len(got) == len(want)
+            for g_step, w_step in zip(got, want):
+                assert [(rid, tok) for rid, tok, _ in g_step] == [(rid, tok) for rid, tok, _ in w_step]
+                for (_, _, g), (_, _, w) in zip(g_step, w_step):
+                    for name in ("hidden", "logits", "top_vals", "entropy"):
+                        assert (g[name] - w[name]).abs().max().item() < 1e-4, name
+                    assert torch.equal(g["top_ids"], w["top_ids"])
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+        del decode.run
+    assert {1, 2, 3, 4} <= set(sizes)  # 3 runs padded to bucket 4
+    assert max(len(s) for s in got) > MAX_BS  # larger decode batches ran eagerly
+    assert compiled.scheduler.num_preemptions - preempted[0] == eager.scheduler.num_preemptions - preempted[1] > 0
+
+
+def test_compiled_matches_eager_at_every_bucket(engines: tuple[Engine, Engine]) -> None:
+    _check_matches_eager(*engines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_graphs_match_eager_on_cuda(arch: str, model_paths: dict[str, Path]) -> None:
+    compiled = _engine(model_paths[arch], eager=False, device="cuda")
+    _check_matches_eager(compiled, _engine(model_paths[arch], eager=True, device="cuda"))
+    assert len(compiled.runner.decode.graphs) >= 3  # type: ignore[union-attr]
+
+
+def test_padding_rows_touch_no_request_page(engines: tuple[Engine, Engine]) -> None:
+    compiled, _ = engines
+    pool = compiled.pool
+    before_k, before_v = pool.k[:, :pool.scratch_slot].clone(), pool.v[:, :pool.scratch_slot].clone()
+    decode = compiled.runner.decode
+    assert decode is not None
+    decode.warm_up()  # every bucket, all rows padding
+    assert torch.equal(pool.k[:, :pool.scratch_slot], before_k)
+    assert torch.equal(pool.v[:, :pool.scratch_slot], before_v)
+
+
+def test_buckets_and_config() -> None:
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(1) == [1]
+    with pytest.raises(ValueError, match="cuda_graph_max_bs"):
+        EngineConfig(model_path="x", cuda_graph_max_bs=0)
+
+
+def test_cli_flags() -> None:
+    import argparse
+
+    from tokenrouter.cli import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["--enforce-eager", "--cuda-graph-max-bs", "8"]))
+    assert kw["disable_cuda_graph"] is True and kw["cuda_graph_max_bs"] == 8
+    assert engine_kwargs(p.parse_args(["--disable-cuda-graph"]))["disable_cuda_graph"] is True
+    assert "disable_cuda_graph" not in engine_kwargs(p.parse_args([]))  # the EngineConfig default stands

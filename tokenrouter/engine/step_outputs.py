@@ -1,0 +1,42 @@
+"""The per-row outputs a step computes from the final hidden states, shared by the eager and compiled steps."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tokenrouter.models.llama import LlamaForCausalLM
+
+
+class StepOutputSpec(NamedTuple):
+    """Which outputs beyond the sampled token a step computes (routing algorithms declare these)."""
+
+    hidden: bool = False  # last hidden state of each sampled row
+    logits: bool = False  # full float32 logits
+    top_logits: int = 0  # the k largest logits and their token ids
+    entropy: bool = False  # entropy (nats) of the temperature-1 distribution
+
+
+class StepTensors(NamedTuple):
+    """For each sampled row: its hidden state, float32 logits, and what the spec asks beyond them."""
+
+    hidden: torch.Tensor
+    logits: torch.Tensor
+    top_logits: tuple[torch.Tensor, torch.Tensor] | None
+    entropy: torch.Tensor | None
+
+    def head(self, n: int) -> StepTensors:
+        """The first n rows (a padded compiled step's real rows)."""
+        top = None if self.top_logits is None else (self.top_logits[0][:n], self.top_logits[1][:n])
+        return StepTensors(self.hidden[:n], self.logits[:n], top, None if self.entropy is None else self.entropy[:n])
+
+
+def step_tensors(model: LlamaForCausalLM, hidden: torch.Tensor, spec: StepOutputSpec) -> StepTensors:
+    logits = model.compute_logits(hidden)
+    top = tuple(logits.topk(spec.top_logits, dim=-1)) if spec.top_logits else None
+    entropy = None
+    if spec.entropy:
+        lsm = torch.log_softmax(logits, dim=-1)
+        entropy = -(lsm.exp() * lsm).sum(dim=-1)
+    return StepTensors(hidden, logits, top, entropy)  # type: ignore[arg-type]
