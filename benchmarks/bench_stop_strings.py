@@ -24,7 +24,7 @@ def per_token_us(text_len: int, count: int, length: int, tokens: int = 2000) -> 
     text = "".join(rng.choices(string.digits, k=text_len))
     t0 = time.perf_counter()
     for _ in range(tokens):
-        assert find_stop(text, 4, stops) is None
+        assert find_stop(text, 4, stops, include=False) is None
     return (time.perf_counter() - t0) / tokens * 1e6
 
 

@@ -18,9 +18,10 @@ from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import best_thresholds
+from tokenrouter.runtime.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
-from ablation import run_async, run_sync  # noqa: E402
+from ablation import closed_loop, group, run_sync  # noqa: E402
 
 
 def main() -> int:
@@ -40,17 +41,21 @@ def main() -> int:
     table = best_thresholds(max(args.concurrency), args.p, lambda b: profile.models["small"](b, b),
                             lambda b: profile.models["large"](b, b), alpha, min_gain=0.01)
     rows = []
-    for n in args.concurrency:
-        prompts = [[1 + (i % 200), 2, 3, 4] for i in range(2 * n)]
-        launch = {"policy": "threshold", "thresholds": {"large": {n: table[n]}}}
-        ours = run_async(path, profile.to_dict(), args.p, n, launch, alpha, prompts, params)
-        row = {"n": n, "B": table[n], "tokenrouter": ours.throughput, "tokenrouter_per_user": ours.mean_per_user}
-        if not args.no_sync:
-            sync = run_sync(path, profile, args.p, n, prompts, params)
-            row["step_sync"] = sync.throughput
-            row["step_sync_per_user"] = sum(sync.per_user) / len(sync.per_user)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    # One group serves every concurrency: the large model's threshold B(n) is sent before each run.
+    entry = Entry(group(path, profile.to_dict(), args.p, {"policy": "eager"}, alpha))
+    try:
+        for n in args.concurrency:
+            prompts = [[1 + (i % 200), 2, 3, 4] for i in range(2 * n)]
+            ours = closed_loop(entry, n, table[n], prompts, params)
+            row = {"n": n, "B": table[n], "tokenrouter": ours.throughput, "tokenrouter_per_user": ours.mean_per_user}
+            if not args.no_sync:
+                sync = run_sync(path, profile, args.p, n, prompts, params)
+                row["step_sync"] = sync.throughput
+                row["step_sync_per_user"] = sum(sync.per_user) / len(sync.per_user)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        entry.close()
     first = rows[0]
     for r in rows[1:]:
         print(f"N={r['n']:3d}: tokenrouter x{r['tokenrouter'] / first['tokenrouter']:.2f} throughput, keeps "

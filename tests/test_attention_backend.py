@@ -51,8 +51,9 @@ def run_both(prefix, extend, heads, kv_heads, head_dim=16, dtype=torch.float32, 
     gen = torch.Generator().manual_seed(seed)
     num_pages = sum(-(-(p + e) // PAGE) for p, e in zip(prefix, extend)) + 5
     pools = []
-    init_k = torch.randn(LAYERS, num_pages * PAGE, kv_heads, head_dim, generator=gen).to(dtype)
-    init_v = torch.randn(LAYERS, num_pages * PAGE, kv_heads, head_dim, generator=gen).to(dtype)
+    slots = (num_pages + 1) * PAGE  # the pool's pages and its scratch page
+    init_k = torch.randn(LAYERS, slots, kv_heads, head_dim, generator=gen).to(dtype)
+    init_v = torch.randn(LAYERS, slots, kv_heads, head_dim, generator=gen).to(dtype)
     for _ in range(2):
         pool = KVPool(num_pages, PAGE, LAYERS, kv_heads, head_dim, dtype, torch.device("cpu"))
         pool.k.copy_(init_k)
