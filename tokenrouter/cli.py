@@ -39,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
-                   default=None, help="run decode steps eagerly (default: compiled per batch bucket)")
+                   default=None, help="run decode steps eagerly (default: compiled per batch bucket on CUDA, "
+                   "eager on CPU, where it measured slower; TOKENROUTER_DISABLE_CUDA_GRAPH=0 compiles there too)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
                    help="largest decode batch compiled (default: --max-running-requests)")
     g.add_argument("--random-seed", dest="seed", type=int, default=0)

@@ -7,14 +7,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Set to 1 (the test suite does) to make every engine that does not choose run its decode steps eagerly.
+# The default of engines that do not choose: 1 runs decode steps eagerly (the test suite sets it), 0
+# compiles them on every device; unset, the device decides (see EngineConfig.compiles_decode).
 DISABLE_CUDA_GRAPH_ENV = "TOKENROUTER_DISABLE_CUDA_GRAPH"
 
 
-def _cuda_graph_disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_CUDA_GRAPH_ENV, "") == "1"
+def _cuda_graph_disabled_by_env() -> bool | None:
+    return {"1": True, "0": False}.get(os.environ.get(DISABLE_CUDA_GRAPH_ENV, ""))
 
 
+LINEAR_BACKENDS = ("auto", "aten", "onednn")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -38,9 +40,14 @@ class EngineConfig:
     # NCCL on CUDA, where rank r uses the GPU r places after `device`).
     tp_size: int = 1
     # Decode steps run compiled per batch bucket (CUDA graphs on CUDA, torch.compile on CPU; SGLang's
-    # names); true runs every step eagerly. Prefill always runs eagerly.
-    disable_cuda_graph: bool = field(default_factory=_cuda_graph_disabled_by_env)
+    # names); true runs every step eagerly, false compiles on every device. None (the default): compiled
+    # on CUDA, eager on CPU, where the compiled step measured slower (docs/BENCHMARKS.md, issue 15).
+    # Prefill always runs eagerly.
+    disable_cuda_graph: bool | None = field(default_factory=_cuda_graph_disabled_by_env)
     cuda_graph_max_bs: int | None = None  # largest decode batch compiled; default max_running_requests
+    # Linear layers: "onednn" prepacks weights for oneDNN (float32 on CPU, one rank, eager decode;
+    # models/onednn_linear.py), "aten" is PyTorch's F.linear, "auto" takes onednn wherever it applies.
+    linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -54,8 +61,23 @@ class EngineConfig:
         max_bs = self.cuda_graph_max_bs
         if max_bs is not None and (isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1):
             raise ValueError(f"cuda_graph_max_bs must be an integer >= 1, got {self.cuda_graph_max_bs!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def compiles_decode(self, device: torch.device) -> bool:
+        """Whether decode steps run compiled on `device` (see disable_cuda_graph)."""
+        return device.type == "cuda" if self.disable_cuda_graph is None else not self.disable_cuda_graph
+
+    def packs_linears(self, device: torch.device, dtype: torch.dtype, onednn_available: bool) -> bool:
+        """Whether the model's linear weights are prepacked for oneDNN (see linear_backend)."""
+        applies = (device.type == "cpu" and dtype == torch.float32 and self.tp_size == 1
+                   and not self.compiles_decode(device) and onednn_available)
+        if self.linear_backend == "onednn" and not applies:
+            raise ValueError("linear_backend onednn needs float32 on CPU, tp_size 1, eager decode steps and a "
+                             "PyTorch built with oneDNN")
+        return applies and self.linear_backend != "aten"
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -25,6 +25,7 @@ from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfi
 from tokenrouter.engine.stop_strings import find_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
+from tokenrouter.models import onednn_linear
 from tokenrouter.models.attention.registry import make_backend
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.models.kv_pool import KVPool, available_memory_bytes
@@ -119,6 +120,8 @@ class Engine:
         if latency_runner is None:
             self.model = _on_every_rank(tp, "loading its weights", lambda: load_model(
                 cfg.model_path, self.dtype, self.device, tp.group if tp else None))
+            if cfg.packs_linears(self.device, self.dtype, onednn_linear.available()):
+                self.model.pack_linear_weights()
         self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -158,7 +161,7 @@ class Engine:
     def _compiled_decode(self, mc: ModelConfig, outputs: StepOutputSpec) -> CompiledDecode | None:
         """The compiled decode step, warmed up (compiled or captured) for every batch bucket."""
         cfg = self.cfg
-        if cfg.disable_cuda_graph or self.tp is not None:
+        if not cfg.compiles_decode(self.device) or self.tp is not None:
             return None
         assert self.model is not None
         max_bs = min(cfg.cuda_graph_max_bs or cfg.max_running_requests, cfg.max_running_requests)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from tokenrouter.models import onednn_linear
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
@@ -105,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lm_head_packed: torch.Tensor | None = None  # pack_linear_weights
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -130,7 +132,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full float32 logits [N, vocab] (under TP every rank computes its slice; all-gathered)."""
-        return parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, self.tp).float()
+        return parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, self.tp,
+                               self.lm_head_packed).float()
+
+    def pack_linear_weights(self) -> None:
+        """Prepack every linear weight and the output head for oneDNN (float32 on CPU, no tensor
+        parallelism; models/onednn_linear.py). The original weights stay for loading and tests."""
+        assert self.tp.size == 1, "packed linears are for a single rank"
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.packed = onednn_linear.pack(module.weight)
+        self.lm_head_packed = onednn_linear.pack(self.lm_head_weight)
 
     # ---- loading ---------------------------------------------------------------------------
     def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:

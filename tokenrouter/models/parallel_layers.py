@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenrouter.models import onednn_linear
 from tokenrouter.models.tp_group import TPGroup
 
 
@@ -32,8 +33,11 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features_local, in_features))
         self.bias = nn.Parameter(torch.empty(out_features_local)) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (pack_linear_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return onednn_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -44,8 +48,11 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (tp size 1 only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return onednn_linear.linear(x, self.packed, self.bias)
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
@@ -84,9 +91,11 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.rows, dim))  # padding rows stay zero
 
 
-def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup) -> torch.Tensor:
-    """Full logits [N, V] on every rank from each rank's vocabulary shard of the output weight."""
-    local = hidden @ weight.t()
+def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup,
+                    packed: torch.Tensor | None = None) -> torch.Tensor:
+    """Full logits [N, V] on every rank from each rank's vocabulary shard of the output weight
+    (`packed`: that weight prepacked for oneDNN)."""
+    local = hidden @ weight.t() if packed is None else onednn_linear.linear(hidden, packed, None)
     if tp.size == 1:
         return local
     return tp.all_gather(local, dim=-1)[:, :vocab_size]
