@@ -18,12 +18,12 @@ from tokenrouter.sampling_params import SamplingParams
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="PyTorch built without oneDNN")
 
 
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (8, 576, 960), (32, 1536, 576), (5, 64, 4096)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (8, 576, 960), (32, 1536, 576), (5, 64, 4096), (100, 64, 96)])
 def test_packed_linear_equals_f_linear(rows: int, k: int, n: int) -> None:
     gen = torch.Generator().manual_seed(rows * 7 + k)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     ref = F.linear(x, w, b)
-    out = onednn_linear.linear(x, onednn_linear.pack(w), b)
+    out = onednn_linear.linear(x, w, onednn_linear.pack(w), b)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
 

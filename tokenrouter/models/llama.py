@@ -139,10 +139,13 @@ class LlamaForCausalLM(nn.Module):
         """Prepack every linear weight and the output head for oneDNN (float32 on CPU, no tensor
         parallelism; models/onednn_linear.py). The original weights stay for loading and tests."""
         assert self.tp.size == 1, "packed linears are for a single rank"
+        pairs = []
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.packed = onednn_linear.pack(module.weight)
+                pairs.append((module.weight, module.packed))
         self.lm_head_packed = onednn_linear.pack(self.lm_head_weight)
+        onednn_linear.warm_up([*pairs, (self.lm_head_weight, self.lm_head_packed)])
 
     # ---- loading ---------------------------------------------------------------------------
     def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:
