@@ -31,7 +31,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tokenrouter.bench.baselines.standard import StandardStack  # noqa: E402
+from tokenrouter.bench.baselines.standard_stack import StandardStack  # noqa: E402
 from tokenrouter.bench.server_process import ManagedProcess, free_port  # noqa: E402
 
 KV_TOKENS = 32768

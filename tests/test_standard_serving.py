@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tokenrouter.bench.baselines.standard import StandardStack
+from tokenrouter.bench.baselines.standard_stack import StandardStack
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.sampling_params import SamplingParams
 

@@ -131,7 +131,7 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
 
 def _standard(group: GroupConfig, rows: list[dict[str, Any]], tmp: str, prompts: list[str], caps: list[int],
               concurrencies: list[int], num_requests: int, seed: int) -> list[dict[str, Any]]:
-    from tokenrouter.bench.baselines.standard import StandardStack
+    from tokenrouter.bench.baselines.standard_stack import StandardStack
 
     small, large = group.models
     # Page size 1: a one-token request then recomputes nothing its prefix cache holds (see standard.py).
