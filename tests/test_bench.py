@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, pair_group_yaml
 
 from tokenrouter import cli
 from tokenrouter.bench.loadgen import BenchConfig, RequestResult, summarise
@@ -83,12 +83,7 @@ def test_bench_run_and_plot(server, tmp_path, capsys):
 
 
 def test_bench_compare_side_by_side(tmp_path, pair_paths, capsys):
-    cfg = tmp_path / "group.yaml"
-    cfg.write_text(
-        "name: pair\nmodels:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.2}\n")
+    cfg = pair_group_yaml(tmp_path, pair_paths, p=0.2)
     out = tmp_path / "compare.jsonl"
     rc = cli.main(["bench", "compare", "--config", str(cfg), "--systems", "tokenrouter,large,standard,step-sync",
                    "--concurrency", "2", "--num-requests", "4", "--max-tokens", "6", "--out", str(out)])
@@ -107,13 +102,7 @@ def test_bench_compare_on_the_latency_executor(tmp_path, pair_paths, capsys):
     servers from one-model configs, step-sync in-process), with per-request output caps."""
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({"models": {"small": {"base": 0.002}, "large": {"base": 0.006, "per_seq": 0.0005}}}))
-    cfg = tmp_path / "group.yaml"
-    cfg.write_text(
-        "name: pair\nmodels:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"executor: {{mode: latency, profile: {profile}}}\n"
-        "algorithm: {name: bernoulli, p: 0.3}\n")
+    cfg = pair_group_yaml(tmp_path, pair_paths, p=0.3, extra=f"executor: {{mode: latency, profile: {profile}}}\n")
     out = tmp_path / "compare.jsonl"
     rc = cli.main(["bench", "compare", "--config", str(cfg), "--systems", "tokenrouter,small,standard,step-sync",
                    "--concurrency", "3", "--num-requests", "6", "--max-tokens", "12", "--range-ratio", "0.5",

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess
+from server_utils import ServerProcess, pair_group_yaml
 
 MODEL = "fuzz"
 
@@ -52,12 +52,7 @@ bodies = st.one_of(
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, pair_paths):
-    cfg = tmp_path_factory.mktemp("fuzz") / "group.yaml"
-    cfg.write_text(
-        f"name: {MODEL}\nmodels:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.5}\n")
+    cfg = pair_group_yaml(tmp_path_factory.mktemp("fuzz"), pair_paths, p=0.5, name=MODEL)
     srv = ServerProcess(["--config", str(cfg)])
     yield srv
     srv.stop()

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess, alive
+from server_utils import ServerProcess, alive, pair_group_yaml
 
 MODEL = "pair"
 KEY = "sekret"
@@ -19,13 +19,7 @@ KEY = "sekret"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, pair_paths):
-    cfg = tmp_path_factory.mktemp("srv") / "group.yaml"
-    cfg.write_text(
-        f"name: {MODEL}\n"
-        "models:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.3}\n")
+    cfg = pair_group_yaml(tmp_path_factory.mktemp("srv"), pair_paths, p=0.3, name=MODEL)
     srv = ServerProcess(["--config", str(cfg), "--api-key", KEY, "--grace-period", "5"])
     yield srv
     srv.stop()
@@ -277,12 +271,9 @@ def test_sigterm_drains_and_leaves_no_orphans(pair_paths):
 def test_sigterm_mid_stream_ends_the_stream_and_exits_cleanly(tmp_path, pair_paths):
     # The latency-model executor makes every step take 50 ms: 480 tokens would take 24 s, far past the
     # 2 s grace period, so SIGTERM lands mid-stream and the grace period runs out before it completes.
-    cfg = tmp_path / "slow.yaml"
-    cfg.write_text("name: pair\nmodels:\n"
-                   f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-                   f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-                   "algorithm: {name: bernoulli, p: 0.3}\n"
-                   "executor: {mode: latency, profile: {models: {small: {base: 0.05}, large: {base: 0.05}}}}\n")
+    cfg = pair_group_yaml(tmp_path, pair_paths, p=0.3,
+                          extra="executor: {mode: latency, profile: {models: "
+                                "{small: {base: 0.05}, large: {base: 0.05}}}}\n")
     grace = 2.0
     srv = ServerProcess(["--config", str(cfg), "--grace-period", str(grace)])
     procs = set(srv.pids) | set(srv.subservers)  # the server, its two subservers and any helper process

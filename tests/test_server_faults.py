@@ -9,15 +9,11 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, alive
+from server_utils import ServerProcess, alive, pair_group_yaml
 
 
 def group_yaml(tmp_path, pair_paths) -> str:
-    cfg = tmp_path / "group.yaml"
-    cfg.write_text("name: pair\nmodels:\n"
-                   f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-                   f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-                   "algorithm: {name: bernoulli, p: 0.3}\n")
+    cfg = pair_group_yaml(tmp_path, pair_paths, p=0.3)
     return str(cfg)
 
 
@@ -75,12 +71,9 @@ def test_subserver_killed_under_load(tmp_path, pair_paths, restart):
 
 def test_request_time_limit(tmp_path, pair_paths):
     # The latency-model executor makes every step take 10 ms, so 480 tokens take seconds on any machine.
-    cfg = tmp_path / "slow.yaml"
-    cfg.write_text("name: pair\nmodels:\n"
-                   f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-                   f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-                   "algorithm: {name: bernoulli, p: 0.3}\n"
-                   "executor: {mode: latency, profile: {models: {small: {base: 0.01}, large: {base: 0.01}}}}\n")
+    cfg = pair_group_yaml(tmp_path, pair_paths, p=0.3,
+                          extra="executor: {mode: latency, profile: {models: "
+                                "{small: {base: 0.01}, large: {base: 0.01}}}}\n")
     srv = ServerProcess(["--config", str(cfg), "--request-timeout", "0.5"])
     try:
         body = {"model": "pair", "prompt": "x", "max_tokens": 480, "ignore_eos": True}

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from server_utils import ServerProcess
+from server_utils import ServerProcess, pair_group_yaml
 
 MODEL = "pair"
 KEY = "sekret"
@@ -20,12 +20,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, pair_paths):
-    cfg = tmp_path_factory.mktemp("hard") / "group.yaml"
-    cfg.write_text(
-        f"name: {MODEL}\nmodels:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.3}\n")
+    cfg = pair_group_yaml(tmp_path_factory.mktemp("hard"), pair_paths, p=0.3, name=MODEL)
     srv = ServerProcess(["--config", str(cfg), "--api-key", KEY, "--max-prompt-chars", "4000",
                          "--max-stop-strings", "4", "--max-stop-chars", "16", "--header-timeout", "1"])
     yield srv
