@@ -13,8 +13,8 @@ import pytest
 from routing_utils import untrained_routers
 from server_utils import ServerProcess
 
-from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
 from tokenrouter.llm import LLM
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.routing.registry import BUILTIN_ALGORITHMS

@@ -157,7 +157,7 @@ class _Sampling(_Strict):
             out[tok] = min(100.0, max(-100.0, bias))
         return out
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if self.temperature is None else self.temperature
         try:
             return SamplingParams(
@@ -171,6 +171,7 @@ class _Sampling(_Strict):
                 frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                 logit_bias=self.token_bias(), structured_output=self.structured_output(),
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -183,6 +184,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     return_token_ids: bool = False  # extension (as vLLM): the choice carries its token ids
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt tokens' logprobs (and as many top ones) open the choice's."""
+        return self.logprobs if self.echo else None
+
     def prompts(self, limits: RequestLimits) -> list[str | list[int]]:
         """The prompts (one text or token list, or a list of them); the request makes n choices for each."""
         p = self.prompt
@@ -190,8 +196,6 @@ class CompletionRequest(_Sampling):
                                           else [p])  # type: ignore[list-item]
         if len(prompts) * self.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={self.n} is over {MAX_CHOICES} choices", param="n")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         total = sum(len(q) for q in prompts)
