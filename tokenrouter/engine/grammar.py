@@ -23,6 +23,7 @@ from tokenrouter.sampling_params import StructuredOutput
 # JSON without free whitespace (", " and ": " between items): a model cannot run its output out on
 # whitespace, which small models do when any amount is allowed.
 _JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False}
+_ANY_OBJECT = '{"type": "object"}'
 
 
 def check_structured_output(so: StructuredOutput) -> None:
@@ -79,13 +80,12 @@ class GrammarCompiler:
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
 
     def state(self, so: StructuredOutput) -> GrammarState:
-        if so.json is None:
-            compiled = self.compiler.compile_builtin_json_grammar()
-        else:
-            try:
-                compiled = self.compiler.compile_json_schema(str(so.json), **_JSON_OPTIONS)
-            except Exception as e:  # noqa: BLE001
-                raise InvalidRequest(f"response_format: invalid JSON schema: {e}", "response_format") from None
+        # json_object is any JSON object (OpenAI's meaning; vLLM compiles the same schema), not any value.
+        schema = _ANY_OBJECT if so.json is None else str(so.json)
+        try:
+            compiled = self.compiler.compile_json_schema(schema, **_JSON_OPTIONS)
+        except Exception as e:  # noqa: BLE001
+            raise InvalidRequest(f"response_format: invalid JSON schema: {e}", "response_format") from None
         return GrammarState(compiled)
 
 
