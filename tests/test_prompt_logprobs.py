@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import openai
 import pytest
 import torch
 from server_utils import ServerProcess
@@ -91,17 +92,18 @@ def completion(server, **body) -> httpx.Response:
 
 def test_echo_with_logprobs_through_the_server(server, hf_small):
     want, _ = reference(hf_small, PROMPT, 2)
-    r = completion(server, max_tokens=4, temperature=0.8, echo=True, logprobs=2, n=2, seed=1)
-    assert r.status_code == 200, r.text
-    for choice in r.json()["choices"]:
-        lp = choice["logprobs"]
-        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-        assert len(lp["tokens"]) == len(PROMPT) + 4
-        assert lp["token_logprobs"][1:len(PROMPT)] == pytest.approx(want, abs=TOL)
-        assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
-        assert all(x is not None for x in lp["token_logprobs"][len(PROMPT):])
-        assert lp["text_offset"] == sorted(lp["text_offset"])
-        assert choice["text"].startswith("".join(lp["tokens"][:len(PROMPT)]))
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0.8, echo=True, logprobs=2,
+                                  n=2, seed=1)
+    for choice in r.choices:
+        lp = choice.logprobs
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert len(lp.tokens) == len(PROMPT) + 4
+        assert lp.token_logprobs[1:len(PROMPT)] == pytest.approx(want, abs=TOL)
+        assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
+        assert all(x is not None for x in lp.token_logprobs[len(PROMPT):])
+        assert lp.text_offset == sorted(lp.text_offset)
+        assert choice.text.startswith("".join(lp.tokens[:len(PROMPT)]))
     # echo without logprobs keeps its plain echo; logprobs without echo cover the output only
     plain = completion(server, max_tokens=2, temperature=0, logprobs=1).json()["choices"][0]["logprobs"]
     assert len(plain["tokens"]) == 2

@@ -204,6 +204,8 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         params.check_vocab(self.model_config.vocab_size)
+        if self.model is None and (params.prompt_logprobs is not None or params.structured_output is not None):
+            raise ValueError("the latency-model executor computes no logits: no prompt_logprobs or structured output")
         if params.prompt_logprobs is not None and self.tp is not None:
             raise ValueError("prompt_logprobs are not supported with tensor parallelism")
         if params.structured_output is not None:
