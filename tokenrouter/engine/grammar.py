@@ -24,6 +24,7 @@ from tokenrouter.sampling_params import StructuredOutput
 # whitespace, which small models do when any amount is allowed.
 _JSON_OPTIONS: dict[str, Any] = {"any_whitespace": False}
 _ANY_OBJECT = '{"type": "object"}'
+_CACHE_BYTES = 64 << 20
 
 
 def check_structured_output(so: StructuredOutput) -> None:
@@ -71,13 +72,14 @@ class GrammarState:
 
 class GrammarCompiler:
     """One model's compiler: its tokenizer's vocabulary at the logits width, the model's EOS ids as the
-    grammar's stop tokens, and compiled grammars cached by schema (xgrammar's cache)."""
+    grammar's stop tokens, and compiled grammars cached by schema (xgrammar's cache, 64 MiB at most)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(eos_token_ids))
-        self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # Bounded: a server that sees many distinct schemas keeps the recent ones (LRU), not all.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=_CACHE_BYTES)
 
     def state(self, so: StructuredOutput) -> GrammarState:
         # json_object is any JSON object (OpenAI's meaning; vLLM compiles the same schema), not any value.
