@@ -2,7 +2,7 @@
 
 from tokenrouter.llm import LLM
 from tokenrouter.outputs import CompletionOutput, RequestOutput
-from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.sampling_params import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.prompts import PromptType, prepare_requests
 from tokenrouter.engine.req import Req
-from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprob_entries
 from tokenrouter.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -89,4 +89,8 @@ class LLM:
             arrival_time=req.arrival_time, first_token_time=req.first_token_time,
             finished_time=req.finish_time, num_cached_tokens=req.prefix_hit_tokens,
             num_computed_tokens=req.extended_tokens, num_preemptions=req.num_preemptions)
-        return RequestOutput(req.rid, prompt, req.tokens[:req.prompt_len], [completion], req.finished, metrics)
+        prompt_ids = req.tokens[:req.prompt_len]
+        prompt_lps = (prompt_logprob_entries(prompt_ids, req.prompt_logprobs, req.prompt_top_logprobs)
+                      if req.params.prompt_logprobs is not None else None)
+        return RequestOutput(req.rid, prompt, prompt_ids, [completion], req.finished, metrics,
+                             prompt_logprobs=prompt_lps)

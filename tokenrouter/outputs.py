@@ -45,3 +45,13 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     extra: dict[str, object] = field(default_factory=dict)
+    # With SamplingParams.prompt_logprobs, as vLLM: None for the first prompt token, then for each prompt
+    # token {its id: its logprob, **the top ones}.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def prompt_logprob_entries(prompt_ids: list[int], logprobs: list[float],
+                           top: list[dict[int, float]]) -> list[dict[int, float] | None]:
+    """vLLM's shape of prompt logprobs: None for the first token (nothing predicts it), then
+    {token: logprob, **top logprobs} for each of the others."""
+    return [None] + [{tok: lp, **t} for tok, lp, t in zip(prompt_ids[1:], logprobs, top)]

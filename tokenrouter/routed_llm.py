@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenrouter.engine.prompts import PromptType, prepare_requests
-from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprob_entries
 from tokenrouter.runtime.entry import Entry, EntryReq
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats
@@ -133,4 +133,9 @@ class RoutedLLM:
                  "routing": dict(req.plan.routing)}
         if req.error is not None:
             extra["error"] = req.error
-        return RequestOutput(req.rid, prompt, list(req.plan.prompt_ids), [completion], req.done, metrics, extra)
+        prompt_lps = None
+        first = out.tokens[0].prompt_logprobs if out.tokens else None
+        if first is not None:
+            prompt_lps = prompt_logprob_entries(list(req.plan.prompt_ids), *first)
+        return RequestOutput(req.rid, prompt, list(req.plan.prompt_ids), [completion], req.done, metrics, extra,
+                             prompt_lps)

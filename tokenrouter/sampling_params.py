@@ -2,8 +2,40 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class StructuredOutput:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams, JSON kinds): `json`, a JSON
+    schema (a dict or its JSON text), or `json_object`, any JSON object. Exactly one is set.
+
+    The schema is kept as canonical JSON text (sorted keys), so it travels to every model of a group
+    as is and each model can cache its compiled grammar by that text.
+    """
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.json is None) == (not self.json_object):
+            raise ValueError("structured_output needs exactly one of json (a JSON schema) and json_object")
+        if self.json is not None:
+            try:
+                schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+                if not isinstance(schema, (dict, bool)):
+                    raise TypeError("a JSON schema is an object")
+                self.json = json.dumps(schema, sort_keys=True)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_output json must be a JSON schema: {e}") from None
+
+    @property
+    def key(self) -> str:
+        """What identifies the grammar (its compiled form is cached under it)."""
+        return "json_object" if self.json is None else str(self.json)
 
 
 @dataclass
@@ -16,10 +48,18 @@ class SamplingParams:
 
     The logits processing fields act as vLLM's do, in its order: `logit_bias` (token id -> added
     logit) and `min_tokens` (EOS and stop_token_ids masked, stop strings ignored, until that many
-    tokens are out), then `repetition_penalty` (divides positive / multiplies negative logits of
+    tokens are out; with a structured output the grammar alone decides when EOS may come), then
+    `repetition_penalty` (divides positive / multiplies negative logits of
     tokens seen in prompt or output), `frequency_penalty` (minus penalty x count in the output) and
     `presence_penalty` (minus penalty once per token present in the output). Each is a function of
     the token history only, so every model of a routed group applies the same rule.
+
+    `structured_output` constrains the output to a grammar (JSON schema or any JSON object), masking
+    the logits before all of the above; the request ends when the grammar is complete. The grammar's
+    state, too, is a function of the output tokens only.
+
+    `prompt_logprobs` (k): the logprob of every prompt token but the first, and the k most likely
+    tokens at each of those positions, computed from the prefill (vLLM's prompt_logprobs).
     """
 
     max_tokens: int = 16
@@ -37,6 +77,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    structured_output: StructuredOutput | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,8 +110,12 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
         if self.min_tokens > self.max_tokens:

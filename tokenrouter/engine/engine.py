@@ -15,6 +15,7 @@ import torch
 
 from tokenrouter.engine.compiled_step import CompiledDecode
 from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.grammar import GrammarCompiler, GrammarViolation, check_structured_output
 from tokenrouter.engine.latency_model import LatencyModelRunner
 from tokenrouter.engine.model_loader import load_model
 from tokenrouter.engine.model_runner import ModelRunner, StepOutput, StepOutputSpec
@@ -108,6 +109,7 @@ class Engine:
                 self.tp.kill()
             raise
         self.reqs: dict[str, Req] = {}
+        self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(cfg.seed)
         self._next_rid = 0
@@ -202,6 +204,14 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         params.check_vocab(self.model_config.vocab_size)
+        if self.model is None and (params.prompt_logprobs is not None or params.structured_output is not None):
+            raise ValueError("the latency-model executor computes no logits: no prompt_logprobs or structured output")
+        if params.prompt_logprobs is not None and self.tp is not None:
+            raise ValueError("prompt_logprobs are not supported with tensor parallelism")
+        if params.structured_output is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured output needs a tokenizer")
+            check_structured_output(params.structured_output)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None) -> Req:
@@ -220,6 +230,11 @@ class Engine:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         n_prompt = len(prompt_ids) if prompt_len is None else prompt_len
         req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=n_prompt, params=params, seed=seed)
+        if params.structured_output is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            # Output written elsewhere (a peer's first hand-off) is caught up on at the first mask.
+            req.grammar = self._grammars.state(params.structured_output)
         if detokenize or params.stop:
             self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens)
         self.reqs[rid] = req
@@ -231,6 +246,8 @@ class Engine:
         Only the unseen suffix is computed; KV past `loc` is rolled back."""
         req = self.reqs[rid]
         self.scheduler.truncate(req, loc)
+        if req.grammar is not None:
+            req.grammar.truncate(max(0, loc - req.prompt_len))
         req.tokens.extend(suffix)
         if req.extend_len == 0:
             # Nothing new to feed: recompute the last token, whose logits the next sample needs.
@@ -325,6 +342,14 @@ class Engine:
 
     def _stop_reason(self, req: Req, tok: int) -> tuple[str, int | str | None] | None:
         p = req.params
+        if req.grammar is not None:
+            try:
+                req.grammar.sync(req.output_ids)
+            except GrammarViolation:
+                logger.exception("request %s: its output left its grammar", req.rid)
+                return "error", None
+            if req.grammar.terminated:  # the grammar is complete and took its stop token: EOS, ignored or not
+                return "stop", None
         if tok in p.stop_token_ids:
             return "stop", tok
         if not p.ignore_eos and tok in self.eos_token_ids:

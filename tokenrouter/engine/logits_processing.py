@@ -1,5 +1,6 @@
-"""Per-request logits processing before sampling: logit_bias, min_tokens, and the repetition,
-frequency and presence penalties, in vLLM's order and with its definitions.
+"""Per-request logits processing before sampling: the structured-output grammar mask, then
+logit_bias, min_tokens, and the repetition, frequency and presence penalties, in vLLM's order and
+with its definitions.
 
 Every rule reads only the request's token history (prompt and output so far), never which model
 wrote a token, so the models of a routed group apply the same rule to the same history and a
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from tokenrouter.engine.grammar import apply_grammar_masks
 from tokenrouter.engine.req import Req
 
 
@@ -21,12 +23,16 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: Ite
     """The logits [S, V] to sample from for the S requests `reqs` (row order). The input is not
     modified (logprobs and routing signals read the model's own logits); when no request uses a rule
     it is returned as is."""
+    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
     biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
     held = [i for i, r in enumerate(reqs) if r.num_output < r.params.min_tokens]
     penalized = [i for i, r in enumerate(reqs) if r.params.penalized]
-    if not (biased or held or penalized):
+    if not (constrained or biased or held or penalized):
         return logits
     out = logits.clone()
+    if constrained:
+        apply_grammar_masks(out, constrained, [reqs[i].grammar for i in constrained],  # type: ignore[misc]
+                            [reqs[i].output_ids for i in constrained])
     if biased:
         _add_logit_bias(out, [reqs[i] for i in biased], biased)
     if held:
@@ -47,12 +53,14 @@ def _add_logit_bias(logits: torch.Tensor, reqs: list[Req], rows: list[int]) -> N
 
 
 def _mask_stops(logits: torch.Tensor, reqs: list[Req], rows: list[int], eos: set[int]) -> None:
-    """min_tokens: a request below it cannot sample EOS (unless EOS is ignored) or a stop token id."""
+    """min_tokens: a request below it cannot sample EOS (unless EOS is ignored, or a grammar decides
+    when it may end) or a stop token id."""
     vocab = logits.shape[-1]
     row_of: list[int] = []
     toks: list[int] = []
     for row, r in zip(rows, reqs):
-        stops = set(r.params.stop_token_ids) if r.params.ignore_eos else eos | set(r.params.stop_token_ids)
+        own_eos = r.params.ignore_eos or r.grammar is not None
+        stops = set(r.params.stop_token_ids) if own_eos else eos | set(r.params.stop_token_ids)
         stops = [t for t in stops if t < vocab]
         row_of += [row] * len(stops)
         toks += stops

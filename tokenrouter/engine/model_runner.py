@@ -20,6 +20,8 @@ from tokenrouter.models.kv_pool import KVPool
 from tokenrouter.models.llama import LlamaForCausalLM
 from tokenrouter.models.tp_group import TPGroup
 
+_PROMPT_LOGPROB_ROWS = 256  # prompt positions scored per lm_head call
+
 
 class StepOutput(NamedTuple):
     """Results for the requests that sampled this step, in row order."""
@@ -106,6 +108,8 @@ class ModelRunner:
             broadcast_batch(self.tp, batch)
         self.backend.plan(batch)
         hidden = self.model(batch, self.backend)
+        if any(r.wants_prompt_logprobs for r in reqs):
+            self._prompt_logprobs(reqs, extend_lens, hidden)
         sampled = [reqs[i] for i in sampled_idx]
         if not sampled:
             return StepOutput([], [], None, None, None, None, None, None)
@@ -136,6 +140,29 @@ class ModelRunner:
             top_logits=t.top_logits,
             entropy=t.entropy,
         )
+
+    def _prompt_logprobs(self, reqs: list[Req], extend_lens: list[int], hidden: torch.Tensor) -> None:
+        """Append to each request that wants them the logprobs of the prompt tokens this extend
+        predicts: row j of the extend (position kv_len + j) scores token kv_len + j + 1. Positions
+        already scored (a rerun after a failed step or a preemption) are skipped."""
+        start = 0
+        for req, n in zip(reqs, extend_lens):
+            if req.wants_prompt_logprobs:
+                first = max(req.kv_len, len(req.prompt_logprobs))  # the next position to score
+                end = min(req.kv_len + n, req.prompt_len - 1)
+                for lo in range(first, end, _PROMPT_LOGPROB_ROWS):  # bounded memory: rows x vocab floats
+                    hi = min(lo + _PROMPT_LOGPROB_ROWS, end)
+                    rows = hidden[start + lo - req.kv_len:start + hi - req.kv_len]
+                    lsm = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                    targets = torch.tensor(req.tokens[lo + 1:hi + 1], device=lsm.device)
+                    req.prompt_logprobs += lsm.gather(1, targets[:, None]).squeeze(1).tolist()
+                    k = req.params.prompt_logprobs or 0
+                    if k:
+                        vals, ids = lsm.topk(k, dim=-1)
+                        req.prompt_top_logprobs += [dict(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+                    else:
+                        req.prompt_top_logprobs += [{} for _ in range(hi - lo)]
+            start += n
 
     @staticmethod
     def _top_logprobs(lsm: torch.Tensor, reqs: list[Req]) -> list[dict[int, float] | None]:

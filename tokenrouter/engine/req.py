@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from tokenrouter.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenrouter.engine.grammar import GrammarState
     from tokenrouter.engine.radix_cache import TreeNode
 
 
@@ -53,6 +54,16 @@ class Req:
     extended_tokens: int = 0  # tokens this request ran through the model (recompute included)
     prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
     num_preemptions: int = 0
+    grammar: GrammarState | None = None  # this model's matcher of the structured output, if any
+    # Prompt logprobs (params.prompt_logprobs): one entry per prompt token from the second on, filled
+    # by the prefill; complete when it holds prompt_len - 1 entries.
+    prompt_logprobs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked for and not all computed yet: its prompt must run through the model."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
 
     @property
     def extend_len(self) -> int:

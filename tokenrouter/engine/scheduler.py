@@ -217,8 +217,9 @@ class Scheduler:
         """Admit req with a prefix-cache match and pages for its first chunk; return the chunk length
         (0: not admitted). `headroom` pages stay free for running requests to grow into."""
         p = self.cfg.page_size
-        # At least the last token must run: it produces the logits to sample from.
-        match = self.cache.match_prefix(req.tokens[:-1])
+        # At least the last token must run: it produces the logits to sample from. A request that
+        # still wants prompt logprobs takes no cache hit: every prompt position must run through the model.
+        match = self.cache.match_prefix([] if req.wants_prompt_logprobs else req.tokens[:-1])
         n = min(len(req.tokens) - match.length, budget)
         need = math.ceil((match.length + n) / p) - len(match.pages)
         if need + headroom > self._available_pages() - self._evictable_in(match):

@@ -17,6 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
+from tokenrouter.engine.grammar import check_structured_output
 from tokenrouter.engine.request_validation import InvalidRequest, validate_prompt
 from tokenrouter.runtime.messages import AddReq, Ready, encode
 from tokenrouter.sampling_params import SamplingParams
@@ -97,6 +98,8 @@ class AdmissionRules:
             params.check_vocab(self.vocab_size)
         except ValueError as e:
             raise InvalidRequest(str(e), "logit_bias") from None
+        if params.structured_output is not None:
+            check_structured_output(params.structured_output)  # once here; each model compiles it for itself
         reserve = {}
         for name, pool in self.pools.items():
             reserve[name] = math.ceil((n + params.max_tokens) / pool.page_size) * pool.page_size

@@ -27,6 +27,7 @@ from tokenrouter.runtime.messages import (
     Active,
     AddReq,
     Finished,
+    PromptLogprobs,
     Ready,
     ReqError,
     SetThresholds,
@@ -247,6 +248,11 @@ class Entry:
                     if req is not None:
                         req.out.put(item, msg.model)
                         self._advance(req, events)
+            elif isinstance(msg, PromptLogprobs):
+                req = self._by_wire.get(msg.rid)
+                if req is not None:
+                    req.out.prompt_logprobs = (msg.logprobs, msg.top_logprobs)
+                    self._advance(req, events)
             elif isinstance(msg, Finished):
                 req = self._by_wire.get(msg.rid)
                 if req is not None:

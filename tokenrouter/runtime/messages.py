@@ -94,6 +94,15 @@ class Tokens(msgspec.Struct, tag="tokens"):
     handoffs: dict[str, int] = {}
 
 
+class PromptLogprobs(msgspec.Struct, tag="prompt_logprobs"):
+    """subserver -> entry: a request's prompt logprobs (SamplingParams.prompt_logprobs), sent by the
+    model that prefilled it, before its first token: one entry per prompt token from the second on."""
+
+    rid: str
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float]]
+
+
 class Finished(msgspec.Struct, tag="finished"):
     """Subserver -> entry: the request ended on `model` with `length` tokens (prompt + output)."""
 
@@ -171,7 +180,7 @@ class Stats(msgspec.Struct, tag="stats"):
 
 
 Message = Union[AddReq, Abort, Active, SetThresholds, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished,
-                Ready, ReqError, Stats, Join, Welcome, Refused]
+                PromptLogprobs, Ready, ReqError, Stats, Join, Welcome, Refused]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

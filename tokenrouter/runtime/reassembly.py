@@ -28,6 +28,9 @@ class TokenOut(NamedTuple):
     text: str  # text released with it (text-releasing entries only; never a broken character)
     logprob: float | None = None  # when the request asked for logprobs
     top_logprobs: dict[int, float] | None = None
+    # On the first token of a request that asked for prompt logprobs: (logprob of each prompt token from
+    # the second on, the top ones at each of those positions).
+    prompt_logprobs: tuple[list[float], list[dict[int, float]]] | None = None
 
 
 class Done(NamedTuple):
@@ -63,13 +66,17 @@ class Reassembly:
     first_token_time: float | None = None
     min_tokens: int = 0  # as vLLM: no stop string ends the output before this many tokens
     handoffs: int = 0  # PeerReqs sent so far, as the subservers report them (not changes of writer)
+    # Prompt logprobs: asked for, and (once the prefilling model sent them) their values. They come on
+    # another connection than a peer's first token may, so the first token waits for them.
+    wants_prompt_logprobs: bool = False
+    prompt_logprobs: tuple[list[float], list[dict[int, float]]] | None = None
 
     @classmethod
     def of(cls, rid: str, plan: AdmittedPlan, tokenizer: Any, release_text: bool) -> Reassembly:
         p = plan.params
         detok = IncrementalDetokenizer(tokenizer, plan.prompt_ids) if p.stop or release_text else None
         return cls(rid, len(plan.prompt_ids), p.stop, p.include_stop_str_in_output, detok, release_text,
-                   min_tokens=p.min_tokens)
+                   min_tokens=p.min_tokens, wants_prompt_logprobs=p.prompt_logprobs is not None)
 
     @property
     def next_pos(self) -> int:
@@ -94,6 +101,8 @@ class Reassembly:
         """The tokens that are now in order, each with the text it releases; none past a stop string
         (then `stop` is set and the output is finished)."""
         out: list[TokenOut] = []
+        if self.wants_prompt_logprobs and self.prompt_logprobs is None:
+            return out
         while not self.finished and self.next_pos in self.buffer:
             item, model = self.buffer.pop(self.next_pos)
             if self.first_token_time is None:
@@ -101,7 +110,8 @@ class Reassembly:
             if self.detok is not None:
                 self._add_text(item.token)
             top = (item.top_logprobs or {}) if item.logprob is not None else None
-            tok = TokenOut(self.rid, item.token, model, self.release(), item.logprob, top)
+            tok = TokenOut(self.rid, item.token, model, self.release(), item.logprob, top,
+                           None if self.tokens else self.prompt_logprobs)
             self.tokens.append(tok)
             out.append(tok)
         return out

@@ -8,6 +8,7 @@ engine know nothing of sockets; this file is the only place that joins them.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import os
 import signal
@@ -36,6 +37,7 @@ from tokenrouter.runtime.messages import (
     Finished,
     FirstVisit,
     Peer,
+    PromptLogprobs,
     Ready,
     ReqError,
     SetThresholds,
@@ -102,6 +104,7 @@ class Subserver:
         self.handoffs_of: dict[str, int] = {}  # rid -> its hand-offs so far (every model's, as last seen here)
         self.pending_since: dict[str, float] = {}
         self.aborted: dict[str, float] = {}
+        self.prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs the entry still awaits
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
         self.pending_seconds = 0.0
@@ -189,6 +192,8 @@ class Subserver:
                 return
             self.known[msg.rid] = {}
             self.handoffs_of[msg.rid] = 0
+            if msg.params.prompt_logprobs is not None:
+                self.prompt_logprobs_due.add(msg.rid)
             self.algorithm.start(req, msg.routing)
         elif isinstance(msg, Peer):
             self._receive(msg)
@@ -229,6 +234,7 @@ class Subserver:
         self.engine.abort(rid)
         self.known.pop(rid, None)
         self.handoffs_of.pop(rid, None)
+        self.prompt_logprobs_due.discard(rid)
         since = self.pending_since.pop(rid, None)
         if since is not None:
             self.pending_seconds += time.monotonic() - since
@@ -295,6 +301,12 @@ class Subserver:
             for req in out.reqs:
                 self._fail(req.rid)
             return True
+        # A request samples once its prefill is done, so its prompt logprobs are complete: they go out
+        # before any of its tokens.
+        for req in out.reqs:
+            if req.rid in self.prompt_logprobs_due:
+                self.prompt_logprobs_due.discard(req.rid)
+                self._send(self.to_entry, PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
         now = time.monotonic()
         events: list[TokenEvent] = []
         finished: list[Req] = []
@@ -340,8 +352,11 @@ class Subserver:
         if dest not in self.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
         known = self.known.setdefault(req.rid, {})
-        first = None if dest in known else FirstVisit(req.prompt_len, req.params, req.seed,
-                                                      self.algorithm.params_of.get(req.rid, {}))
+        # The prompt logprobs were this model's to compute: a peer runs without them (and so with its cache).
+        first = None
+        if dest not in known:
+            first = FirstVisit(req.prompt_len, dataclasses.replace(req.params, prompt_logprobs=None), req.seed,
+                               self.algorithm.params_of.get(req.rid, {}))
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         self.engine.scheduler.set_pending(req)
         self.pending_since[req.rid] = now

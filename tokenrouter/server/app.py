@@ -303,6 +303,19 @@ class OpenAIServer:
             offset += len(t.text)
         return out
 
+    def prompt_logprobs(self, prompt: list[int], values: tuple[list[float], list[dict[int, float]]] | None,
+                        ) -> dict[str, list[Any]]:
+        """OpenAI's logprobs of an echoed prompt: the first token has none (null), each other its logprob
+        and top logprobs; offsets count from the prompt's start. `values`: None when no token came."""
+        lps, tops = values if values is not None else ([], [])
+        texts = [self.token_text(t) for t in prompt]
+        offsets = [0]
+        for piece in texts[:-1]:
+            offsets.append(offsets[-1] + len(piece))
+        return {"tokens": texts, "token_logprobs": [None, *lps][:len(prompt)],
+                "top_logprobs": [None, *({self.token_text(k): v for k, v in t.items()} for t in tops)][:len(prompt)],
+                "text_offset": offsets}
+
     def chat_logprobs(self, toks: list[TokenOut]) -> dict[str, Any]:
         def entry(tok: int, lp: float | None) -> dict[str, Any]:
             s = self.token_text(tok)
@@ -321,8 +334,8 @@ class OpenAIServer:
         prompts = body.prompts(self.cfg.limits)
         encoded = await self.off_loop(lambda: [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
                                                for p in prompts])
-        gens = self.submit_choices(encoded, n, body.max_tokens, lambda cap: body.sampling(cap, body.logprobs),
-                                   body.routing)
+        gens = self.submit_choices(encoded, n, body.max_tokens,
+                                   lambda cap: body.sampling(cap, body.logprobs, body.prompt_logprobs), body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
         model_name = self.cfg.model_name
@@ -330,21 +343,33 @@ class OpenAIServer:
         echoed = ([p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts for _ in range(n)]
                   if body.echo else None)
 
+        # echo with logprobs: the prompt's text and logprobs open each choice's first chunk (they come with
+        # its first token), so no separate echo chunk is sent.
+        prompt_lp = body.prompt_logprobs is not None
+        unechoed = set(range(len(gens))) if prompt_lp else set()
+
         def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
-            return completion_chunk(rid, created, model_name, i, text, reason,
-                                    self.completion_logprobs(toks, 0) if want_lp else None,
+            logprobs = self.completion_logprobs(toks, 0) if want_lp else None
+            if i in unechoed and (toks or reason is not None):
+                unechoed.discard(i)
+                assert echoed is not None
+                logprobs = self.completion_logprobs(toks, len(echoed[i]))
+                head = self.prompt_logprobs(encoded[i // n], toks[0].prompt_logprobs if toks else None)
+                logprobs = {key: head[key] + logprobs[key] for key in head}
+                text = echoed[i] + text
+            return completion_chunk(rid, created, model_name, i, text, reason, logprobs,
                                     [t.token for t in toks] if body.return_token_ids else None)
 
         if body.stream:
             every = want_lp or body.return_token_ids
             return StreamingResponse(self.stream_events(gens, n, chunk, body.usage_options(), every,
-                                                        body.return_token_ids, echoed),
+                                                        body.return_token_ids, None if prompt_lp else echoed),
                                      media_type="text/event-stream")
         await self.run_to_end(request, gens)
         choices = []
         for i, gen in enumerate(gens):
             assert gen.done is not None
-            text = (echoed[i] if echoed else "") + gen.text
+            text = (echoed[i] if echoed and not prompt_lp else "") + gen.text
             choices.append({**chunk(i, gen.tokens, text, finish_reason(gen.done))["choices"][0],
                             "routing": routing(gen, body.return_token_ids)})
         out = {**chunk(0, [], "", None), "choices": choices, "usage": usage(gens, n)}

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.sampling_params import SamplingParams, StructuredOutput
 
 MAX_LOGPROBS = 20
 # Integers as the engine and the messages between processes carry them (msgpack int64, torch int64):
@@ -82,7 +82,9 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None  # extension (vLLM, SGLang)
     min_tokens: int = Field(0, ge=0, le=MAX_INT32)  # extension (vLLM, SGLang)
     include_stop_str_in_output: bool = False  # extension (vLLM)
-    response_format: dict[str, Any] | None = None  # only {"type": "text"}: structured output is not built yet
+    # {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    # "strict"?, "description"?}}: the output follows the grammar (OpenAI; vLLM takes it on both endpoints)
+    response_format: dict[str, Any] | None = None
     # Extension: this request's routing parameters (e.g. {"threshold": 0.3} for R2R), checked by the
     # group's algorithm; the group's values are the defaults.
     routing: dict[str, Any] | None = None
@@ -93,9 +95,7 @@ class _Sampling(_Strict):
     def check_common(self, limits: RequestLimits) -> None:
         if not 1 <= self.n <= MAX_CHOICES:
             raise APIError(400, f"n must be in [1, {MAX_CHOICES}], got {self.n}", param="n")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError(400, f"response_format {self.response_format.get('type')!r} is not supported (only "
-                                "'text'): structured output is not built yet", param="response_format")
+        self.structured_output()  # its shape; the schema itself is checked at admission
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be given when stream is true", param="stream_options")
         stops = self.stop_strings()
@@ -109,6 +109,31 @@ class _Sampling(_Strict):
             raise APIError(400, f"stop_token_ids: at most {limits.max_stop_token_ids} ids", param="stop_token_ids")
         if len(self.logit_bias or ()) > MAX_LOGIT_BIAS:
             raise APIError(400, f"logit_bias: at most {MAX_LOGIT_BIAS} entries", param="logit_bias")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """response_format as the grammar it asks for (None: free text)."""
+        rf = self.response_format
+        if rf is None:
+            return None
+        kind = rf.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return StructuredOutput(json_object=True)
+        if kind != "json_schema":
+            raise APIError(400, f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                           param="response_format")
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise APIError(400, "response_format json_schema must be an object with a name", param="response_format")
+        schema = spec.get("schema", {})  # OpenAI: no schema means any JSON
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        try:
+            return StructuredOutput(json=schema)
+        except ValueError as e:
+            raise APIError(400, f"response_format: {e}", param="response_format") from None
 
     def usage_options(self) -> tuple[bool, bool]:
         """(a final chunk with the usage, usage on every chunk): vLLM's reading of stream_options, where
@@ -132,7 +157,7 @@ class _Sampling(_Strict):
             out[tok] = min(100.0, max(-100.0, bias))
         return out
 
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
         temperature = 1.0 if self.temperature is None else self.temperature
         try:
             return SamplingParams(
@@ -145,7 +170,8 @@ class _Sampling(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens,
                 frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
                 repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-                logit_bias=self.token_bias(),
+                logit_bias=self.token_bias(), structured_output=self.structured_output(),
+                prompt_logprobs=prompt_logprobs,
             )
         except ValueError as e:  # SamplingParams' messages start with the field's name
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -158,6 +184,11 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     return_token_ids: bool = False  # extension (as vLLM): the choice carries its token ids
 
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """echo with logprobs: the prompt tokens' logprobs (and as many top ones) open the choice's."""
+        return self.logprobs if self.echo else None
+
     def prompts(self, limits: RequestLimits) -> list[str | list[int]]:
         """The prompts (one text or token list, or a list of them); the request makes n choices for each."""
         p = self.prompt
@@ -165,8 +196,6 @@ class CompletionRequest(_Sampling):
                                           else [p])  # type: ignore[list-item]
         if len(prompts) * self.n > MAX_CHOICES:
             raise APIError(400, f"{len(prompts)} prompts x n={self.n} is over {MAX_CHOICES} choices", param="n")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         total = sum(len(q) for q in prompts)
