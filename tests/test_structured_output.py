@@ -1,6 +1,7 @@
 """Structured output (response_format json_object / json_schema) through a routed pair of random-weight
-models: every built-in algorithm through the server with the openai client (streaming and not), the
-offline LLM and RoutedLLM, invalid schemas, the max_tokens cut-off, hand-offs, rewrites and
+models: the server with the openai client (streaming and not) on a Bernoulli pair, every built-in
+algorithm through RoutedLLM (the same runtime without the HTTP layer: one server start each would cost
+minutes of CI), the offline LLM, invalid schemas, the max_tokens cut-off, hand-offs, rewrites and
 preemption in the middle of a grammar."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import httpx
 import openai
 import pytest
 from routing_utils import untrained_routers
-from server_utils import ServerProcess
+from server_utils import ServerProcess, pair_group_yaml
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
@@ -66,18 +67,11 @@ def braces_bias(tokenizer) -> dict[int, float]:
             tokenizer.eos_token_id: 60.0}
 
 
-# ---- through the server, every algorithm (one server each) -----------------------------------------
+# ---- through the server (a Bernoulli pair) ----------------------------------------------------------
 
-@pytest.fixture(scope="module", params=sorted(BUILTIN_ALGORITHMS))
-def server(request, tmp_path_factory, pair_paths, routers):
-    algo = algorithm_config(request.param, routers)
-    cfg = tmp_path_factory.mktemp("srv") / "group.yaml"
-    cfg.write_text(
-        f"name: {MODEL}\n"
-        "models:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"algorithm: {json.dumps(algo)}\n")
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, pair_paths):
+    cfg = pair_group_yaml(tmp_path_factory.mktemp("srv"), pair_paths, p=0.5, name=MODEL)
     srv = ServerProcess(["--config", str(cfg), "--grace-period", "5"])
     yield srv
     srv.stop()
@@ -144,16 +138,15 @@ def test_max_tokens_cut_off_is_length(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
 
 
-def test_handoffs_inside_the_grammar(server, request):
-    """Where the algorithm hands off (bernoulli, ensemble: by seeded draws), both models write tokens of
-    each object: every model masks with the grammar state of the whole output, whoever wrote it."""
+def test_handoffs_inside_the_grammar(server):
+    """Both models write tokens of each object: every model masks with the grammar state of the whole
+    output, whoever wrote it."""
     r = post(server, "/v1/completions", {
         "prompt": [11, 200, 37], "max_tokens": MAX_TOKENS, "temperature": 1.0, "seed": 9, "n": 4,
         "return_token_ids": True, "response_format": RESPONSE_FORMAT})
     assert r.status_code == 200, r.text
     body = r.json()
-    if request.node.callspec.params["server"] in ("bernoulli", "ensemble"):
-        assert body["routing"]["handoffs"] > 0 and set(body["routing"]["tokens_per_model"]) == {"small", "large"}
+    assert body["routing"]["handoffs"] > 0 and set(body["routing"]["tokens_per_model"]) == {"small", "large"}
     for choice in body["choices"]:
         check_instance(choice["text"])
 
@@ -177,21 +170,26 @@ def test_offline_llm(pair_paths, tokenizer):
         llm.generate(["x"], SamplingParams(structured_output=StructuredOutput(json={"type": 3})))
 
 
-def test_offline_routed_llm(pair_paths):
+@pytest.mark.parametrize("algorithm", sorted(BUILTIN_ALGORITHMS))
+def test_every_algorithm_writes_valid_json(algorithm, pair_paths, routers):
     cfg = {"models": [{"name": n, "path": str(pair_paths[n]), "kv_cache_tokens": 4096, "page_size": 4}
-                      for n in ("small", "large")], "algorithm": {"name": "bernoulli", "p": 0.5}}
+                      for n in ("small", "large")], "algorithm": algorithm_config(algorithm, routers)}
     so = StructuredOutput(json=SCHEMA)
     with RoutedLLM(cfg) as llm:
-        outs = llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9]],
+        outs = llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9], [11, 200, 37]],
                             sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3,
                                                            structured_output=so),
                             use_tqdm=False, timeout=120)
-        with pytest.raises(ValueError, match="invalid JSON schema"):
-            llm.generate(prompt_token_ids=[[5]], sampling_params=SamplingParams(
-                structured_output=StructuredOutput(json={"type": "object", "required": 7})), use_tqdm=False)
+        if algorithm == "bernoulli":
+            with pytest.raises(ValueError, match="invalid JSON schema"):
+                llm.generate(prompt_token_ids=[[5]], sampling_params=SamplingParams(
+                    structured_output=StructuredOutput(json={"type": "object", "required": 7})), use_tqdm=False)
     for o in outs:
         assert o.outputs[0].finish_reason == "stop"
         check_instance(o.outputs[0].text)
+    if algorithm in ("bernoulli", "ensemble"):  # hand-offs by seeded draws: both models write each object
+        assert sum(o.extra["handoffs"] for o in outs) > 0
+        assert {m for o in outs for m, n in o.extra["tokens_per_model"].items() if n} == {"small", "large"}
 
 
 # ---- the matcher's state: rewrites and preemption ---------------------------------------------------
