@@ -47,7 +47,8 @@ def test_number_match_takes_the_last_number_exactly():
 
 def test_tasks_know_their_splits_and_scorers():
     t = task("champ")
-    assert t.held_out == champ.HELD_OUT and [p.ident for p in t.split(0)[1]] == [p.ident for p in champ.split().held_out]
+    assert t.held_out == champ.HELD_OUT
+    assert [p.ident for p in t.split(0)[1]] == [p.ident for p in champ.split().held_out]
     assert t.correct is is_correct
     t = task("arith")
     assert t.held_out == arith.HELD_OUT and t.split(0)[1] == arith.split().held_out and t.correct("so 4", "4")
