@@ -58,6 +58,8 @@ class PrepareSettings:
     calibration_max_tokens: int = 96  # as `tokenrouter eval` answers
     calibration_tolerance: float = 0.025
     calibration_iterations: int = 8  # probes per router, each answering every calibration prompt
+    # Routers calibrated on-policy (each search starts the pair once); any other serves its corpus threshold.
+    calibrated_kinds: tuple[str, ...] = ROUTER_KINDS
     algorithm: str = "r2r"  # served by default
 
     def key(self) -> str:
@@ -95,7 +97,7 @@ def quick_settings() -> PrepareSettings:
         student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
                                 seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
         router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2,
-        calibration_prompts=2, calibration_max_tokens=8, calibration_iterations=3)
+        calibration_prompts=2, calibration_max_tokens=8, calibration_iterations=3, calibrated_kinds=("r2r",))
 
 
 def settings_for(quick: bool = False) -> PrepareSettings:
@@ -241,8 +243,9 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
 
     prompts = chat_prompts(tok, calibration_problems(s))
     calibrations = {kind: calibrated(s, kind, small, large, routers[kind], corpus_thresholds[kind], prompts,
-                                     say, progress) for kind in ROUTER_KINDS}
-    thresholds = {kind: c["value"] for kind, c in calibrations.items()}
+                                     say, progress) for kind in s.calibrated_kinds}
+    thresholds = {kind: calibrations[kind]["value"] if kind in calibrations else corpus_thresholds[kind]
+                  for kind in ROUTER_KINDS}
 
     import yaml
 

@@ -1,12 +1,12 @@
-"""Generated arithmetic and short word problems with integer answers: a quality task on which the
-default pair's models can be told apart (CHAMP is too hard for both: SmolLM2 solves 2 of 40).
+"""Generated arithmetic and short word problems with integer answers: a quality task meant to tell
+the default pair's models apart (CHAMP is too hard for both: SmolLM2 solves 2 of 40).
 
 Eight kinds, drawn in turn: addition of numbers up to 20 and of two-digit numbers, two-digit
 subtraction, multiplication up to 12 x 12, and word problems that add, subtract, multiply and divide
 exactly. The generator is a seeded `random.Random`, so a seed gives the same problems everywhere;
-the split is by question text
-(held-out questions never appear in the training part, which fits the query-level baseline). An
-answer is scored by exact match of the last number it writes against the integer answer.
+the split is by question text (held-out questions never appear in the training part, which fits the
+query-level baseline). An answer is scored by exact match of the last number it writes against the
+integer answer.
 """
 
 from __future__ import annotations

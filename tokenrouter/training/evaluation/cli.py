@@ -20,10 +20,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
           f"{st['train_seconds']} s; held-out CE {st['held_out']['student_ce']:.3f} vs the large model's "
           f"{st['held_out']['teacher_ce']:.3f})")
     for kind, m in meta["router_metrics"].items():
-        c = meta["calibration"][kind]
-        print(f"{kind} router: {pair.routers[kind]} (held-out AUC {m['auc']:.3f}; corpus threshold "
-              f"{meta['corpus_thresholds'][kind]:.6g}; served {c['param']} {meta['thresholds'][kind]:.6g}, on-policy "
-              f"large share {c['share']:.3f} for target {c['target_share']:g}"
+        line = (f"{kind} router: {pair.routers[kind]} (held-out AUC {m['auc']:.3f}; corpus threshold "
+                f"{meta['corpus_thresholds'][kind]:.6g}; served {meta['thresholds'][kind]:.6g}")
+        c = meta["calibration"].get(kind)
+        if c is None:
+            print(line + ", not calibrated on-policy)")
+            continue
+        print(line + f", on-policy large share {c['share']:.3f} for target {c['target_share']:g}"
               f"{'' if c['reached'] else ' (NOT within ' + format(c['tolerance'], 'g') + ')'})")
     print(f"group config: {pair.config}")
     return 0
