@@ -29,7 +29,7 @@ def test_arith_is_seeded_disjoint_and_sized():
 
 def test_arith_answers_are_right():
     for p in arith.generate(400, seed=3):
-        assert p.prompt == p.text + arith.INSTRUCTION and p.answer.lstrip("-").isdigit()
+        assert p.prompt == arith.INSTRUCTION + p.text and p.answer.lstrip("-").isdigit()
         m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", p.text)
         if m:
             a, op, b = int(m[1]), m[2], int(m[3])

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 HELD_OUT = 300  # held-out problems (a 95% Wilson interval at accuracy 0.5 is +-0.056 wide)
 TRAIN = 200
-INSTRUCTION = "\nAnswer with the final number only."
+INSTRUCTION = "Answer with the final number only. "  # before the question: SmolLM2 follows it more often
 
 NAMES = ("Tom", "Sara", "Ali", "Mia", "Ken", "Lea", "Omar", "Ana")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "cards")
@@ -33,7 +33,7 @@ class Problem(NamedTuple):
 
     @property
     def prompt(self) -> str:
-        return self.text + INSTRUCTION
+        return INSTRUCTION + self.text
 
 
 class Split(NamedTuple):
@@ -44,8 +44,9 @@ class Split(NamedTuple):
 def _bare(op: str, lo: int, hi: int) -> Callable[[random.Random], tuple[str, int, str]]:
     def make(r: random.Random) -> tuple[str, int, str]:
         a, b = r.randint(lo, hi), r.randint(lo, hi)
-        if op == "-":
-            a, b = max(a, b) + lo, min(a, b)  # a positive difference
+        if op == "-":  # a positive difference, both operands in range
+            a = r.randint(lo + 1, hi)
+            b = r.randint(lo, a - 1)
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
         return f"What is {a} {op} {b}?", c, f"{a} {op} {b} = {c}. The answer is {c}."
     return make
