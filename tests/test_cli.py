@@ -91,9 +91,9 @@ def test_algorithm_parameters_from_the_command_line(tmp_path, pair_paths, capsys
     assert "KEY=VALUE" in capsys.readouterr().err
 
 
-def prepared_pair(folder, pair_paths, routers: dict, thresholds: dict, serve_offset: float = -2.0):
-    """A pair folder as `tokenrouter prepare` leaves it (pair.yaml serving R2R, prepared.json), with
-    the tiny test pair and untrained routers instead of the slow preparation."""
+def prepared_pair(folder, pair_paths, routers: dict, thresholds: dict):
+    """A pair folder as `tokenrouter prepare` leaves it (pair.yaml serving R2R, prepared.json with the
+    served thresholds), with the tiny test pair and untrained routers instead of the slow preparation."""
     import json
 
     import yaml
@@ -101,14 +101,13 @@ def prepared_pair(folder, pair_paths, routers: dict, thresholds: dict, serve_off
     from tokenrouter.training.prepare import group_dict
 
     folder.mkdir(parents=True, exist_ok=True)
-    group = group_dict(pair_paths["small"], pair_paths["large"], routers, thresholds, "r2r", serve_offset)
+    group = group_dict(pair_paths["small"], pair_paths["large"], routers, thresholds, "r2r")
     for m in group["models"]:
         m.update(kv_cache_tokens=1024, page_size=4)
     (folder / "pair.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
     (folder / "prepared.json").write_text(json.dumps({
         "large": str(pair_paths["large"]), "small": str(pair_paths["small"]),
-        "routers": {k: str(v) for k, v in routers.items()}, "thresholds": thresholds,
-        "settings": {"serve_offset": serve_offset}}))
+        "routers": {k: str(v) for k, v in routers.items()}, "thresholds": thresholds}))
     return folder / "pair.yaml"
 
 
@@ -118,7 +117,6 @@ def test_algorithm_flag_takes_the_prepared_pairs_router(tmp_path, pair_paths, mo
     from routing_utils import untrained_routers
 
     from tokenrouter.routing import make_algorithm
-    from tokenrouter.training.prepare import shifted
 
     routers = untrained_routers(pair_paths, tmp_path / "routers")
     thresholds = {"citer": 0.3, "r2r": 0.6, "co_llm": 0.4}
@@ -128,13 +126,13 @@ def test_algorithm_flag_takes_the_prepared_pairs_router(tmp_path, pair_paths, mo
     def group(algorithm, *params):
         return cli.load_group(argparse.Namespace(config=str(cfg), algorithm=algorithm, algorithm_param=list(params)))
 
-    # The served threshold moves towards routing more: CITER routes below tau, so its tau goes up.
+    # Each router at the pair's served threshold for it (in the kind's own parameter).
     g = group("citer")
     assert g.algorithm == "citer"
-    assert g.algorithm_params == {"router": str(routers["citer"]), "tau": pytest.approx(shifted(0.3, 2.0))}
+    assert g.algorithm_params == {"router": str(routers["citer"]), "tau": 0.3}
     make_algorithm(g.algorithm, g.names, g.algorithm_params)
     g = group("r2r")  # the config's own algorithm: its section stays
-    assert g.algorithm_params == {"router": str(routers["r2r"]), "threshold": pytest.approx(shifted(0.6, -2.0))}
+    assert g.algorithm_params == {"router": str(routers["r2r"]), "threshold": 0.6}
     assert group("citer", "tau=0.9").algorithm_params["tau"] == 0.9
     # No Co-LLM router in this pair: a clear error that says how to give one, unless one is given.
     with pytest.raises(ValueError, match=r"co_llm needs a trained co_llm router.*--algorithm-param router=PATH"):

@@ -74,6 +74,24 @@ def test_projected_embedding_keeps_the_top_directions():
     assert torch.corrcoef(torch.stack([d_full, d_proj]))[0, 1] > 0.95
 
 
+def test_calibration_settings_recalibrate_without_retraining():
+    from tokenrouter.training.prepare import PrepareSettings, calibration_problems
+
+    base, other = PrepareSettings(), PrepareSettings(calibration_prompts=8, calibration_tolerance=0.01)
+    for kind in ("citer", "r2r", "co_llm"):
+        assert base.router_key(kind) == other.router_key(kind)
+        assert base.calibration_key(kind) != other.calibration_key(kind) and base.key() != other.key()
+    # the target share is in both: the routers' corpus calibration aims at it too
+    assert base.router_key("r2r") != PrepareSettings(target_large_share=0.3).router_key("r2r")
+    # calibration prompts are training problems, the last ones: never held-out, never the query baseline's
+    split = champ.split(seed=base.student.seed)
+    ids = {p.ident for p in calibration_problems(base)}
+    assert len(ids) == base.calibration_prompts and not ids & {p.ident for p in split.held_out}
+    assert not ids & {p.ident for p in split.train[:EvalSettings().query_train_problems]}
+    with pytest.raises(ValueError, match="calibration_prompts"):
+        calibration_problems(PrepareSettings(calibration_prompts=0))
+
+
 def test_student_settings_are_checked():
     with pytest.raises(ValueError, match="num_heads"):
         StudentSettings(hidden_size=100, num_heads=3).validate()
@@ -90,6 +108,7 @@ def test_answers_and_agreement():
     assert common_prefix([1, 2, 3, 4], [1, 2, 9]) == 2 and common_prefix([], [1]) == 0
     t = Totals.of([AnswerScore(10, 2, 5.0, 10, True), AnswerScore(30, 6, 15.0, 3, False)])
     assert t.large_share == 0.2 and t.nll == 0.5 and t.agreement == 13 / 40 and t.accuracy == 0.5
+    assert t.correct == 1 and t.accuracy_low < 0.5 < t.accuracy_high
 
 
 def test_nll_under_matches_a_direct_forward(hf_models):
@@ -152,12 +171,25 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
     assert (pair.small / "tokenizer.json").read_bytes() == (pair.large / "tokenizer.json").read_bytes()
     meta = pair.meta()
     assert meta["student"]["held_out"]["student_ce"] > meta["student"]["held_out"]["teacher_ce"]
+    s = prepare.quick_settings()
     for kind in prepare.ROUTER_KINDS:
         router = json.loads((pair.routers[kind] / "router.json").read_text())
         assert router["pair"]["small"]["path"] == str(pair.small.resolve())
-        assert 0.0 < meta["thresholds"][kind] < 1.0
+        assert meta["corpus_thresholds"][kind] == router["threshold"]
+        if kind not in s.calibrated_kinds:  # the quick pair calibrates the served router only
+            assert meta["thresholds"][kind] == router["threshold"] and kind not in meta["calibration"]
+            continue
+        # served: the on-policy calibration's pick, one of its probes, the first at the corpus threshold
+        cal = meta["calibration"][kind]
+        assert 0.0 < meta["thresholds"][kind] == cal["value"] < 1.0
+        assert cal["target_share"] == s.target_large_share and 1 <= len(cal["probes"]) <= s.calibration_iterations
+        assert cal["probes"][0]["value"] == pytest.approx(router["threshold"], rel=1e-6)
+        assert any(p["value"] == cal["value"] and p["share"] == cal["share"] for p in cal["probes"])
+        assert cal["reached"] == (abs(cal["share"] - cal["target_share"]) <= cal["tolerance"])
+        assert all(p["tokens"] > 0 for p in cal["probes"])
     group = GroupConfig.from_yaml(pair.config)
     assert group.names == ["small", "large"] and group.algorithm == "r2r"
+    assert group.algorithm_params["threshold"] == meta["thresholds"]["r2r"]
 
     # cached: a second call trains nothing
     def refuse(*a, **k):
@@ -165,6 +197,7 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
 
     monkeypatch.setattr("tokenrouter.training.student.train_student", refuse)
     monkeypatch.setattr("tokenrouter.training.train.train_router", refuse)
+    monkeypatch.setattr("tokenrouter.training.prepare.calibrate_group", refuse)
     assert prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None) == pair
 
 
@@ -188,8 +221,8 @@ def test_served_default_pair_answers_a_chat_request(quick_pair):
 def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):
     cache, pair = quick_pair
     monkeypatch.setenv("TOKENROUTER_CACHE", str(cache))
-    s = EvalSettings(problems=2, max_tokens=6, algorithms=("r2r", "r_stitch"), points=1, query_train_problems=4,
-                     query_shares=(0.0, 0.5, 1.0))
+    s = EvalSettings(task="arith", problems=2, max_tokens=6, algorithms=("r2r", "r_stitch"), points=1,
+                     query_train_problems=4, query_shares=(0.0, 0.5, 1.0))
     results = evaluate(pair, s, progress=False, log=lambda m: None)
     by = {(r.system, r.param): r.totals for r in results}
     small, large = by[("small", "")], by[("large", "")]
@@ -199,6 +232,11 @@ def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):
     for kind in ("r2r", "r_stitch"):
         (t,) = [r.totals for r in results if r.system == kind]
         assert t.answers == 2 and 0.0 <= t.large_share <= 1.0 and math.isfinite(t.nll)
+        assert 0.0 <= t.accuracy_low <= t.accuracy <= t.accuracy_high <= 1.0
+    # one point: the served threshold itself, marked
+    assert [r.param for r in results if r.system == "r2r"] == [f"{pair.meta()['thresholds']['r2r']:.6g} (served)"]
     write(results, tmp_path, s, pair)
     assert (tmp_path / "quality_vs_cost.png").stat().st_size > 0
-    assert "| r2r |" in table(results) and json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert "| r2r |" in table(results) and "accuracy 95% CI" in table(results)
+    rows = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert rows and all({"accuracy_low", "accuracy_high", "correct"} <= set(r) for r in rows)

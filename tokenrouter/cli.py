@@ -272,6 +272,67 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+CALIBRATED_NOTE = "# calibrated on-policy:"
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """On-policy calibration (training/on_policy.py): the group answers --prompts and its algorithm's
+    threshold is searched until the large model writes --target-share of the output tokens."""
+    from pathlib import Path
+
+    import yaml
+
+    from tokenrouter.engine.tokenizer import load_tokenizer
+    from tokenrouter.training.on_policy import SearchSettings, calibrate_group
+    from tokenrouter.training.prompt_file import read_prompts
+
+    if not args.config:
+        raise ValueError("calibrate needs --config: the YAML of the routed group to calibrate")
+    settings = SearchSettings(target_share=args.target_share, tolerance=args.tolerance,
+                              max_iterations=args.max_iterations, max_tokens=args.max_tokens)
+    group = load_group(args)
+    prompts = read_prompts(args.prompts, load_tokenizer(group.models[0].engine.model_path),  # type: ignore[attr-defined]
+                           limit=args.max_prompts)
+    print(f"calibrating {group.algorithm} on {len(prompts)} prompts of {args.prompts}: "  # type: ignore[attr-defined]
+          f"target large share {settings.target_share:g} +- {settings.tolerance:g}, "
+          f"{settings.max_tokens} tokens per answer", file=sys.stderr)
+    result = calibrate_group(group, prompts, settings, start=args.start,  # type: ignore[arg-type]
+                             log=lambda m: print(m, file=sys.stderr), progress=not args.quiet)
+    print(result.summary())
+    if not result.reached:
+        print(f"tokenrouter: error: calibration missed the target share; the closest measured is {result.param}="
+              f"{result.value:.6g} (share {result.share:.3f}). Nothing written. Try more prompts, more "
+              "--max-iterations or a wider --tolerance.", file=sys.stderr)
+        return 1
+    with open(args.config) as f:
+        text = f.read()
+    raw = yaml.safe_load(text) or {}
+    name = args.algorithm or (raw["algorithm"].get("name") if isinstance(raw.get("algorithm"), dict)
+                              else raw.get("algorithm"))
+    raw.pop("algorithm_params", None)  # its values are in the group's algorithm_params, written below
+    raw["algorithm"] = {"name": name, **group.algorithm_params,  # type: ignore[attr-defined]
+                        result.param: result.value}
+    # the file's leading comment lines stay (YAML drops comments), less an earlier calibration's note
+    header = ""
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        if not line.startswith(CALIBRATED_NOTE):
+            header += line + "\n"
+    note = (f"{CALIBRATED_NOTE} {result.param} {result.value:.6g} -> large share {result.share:.3f} "
+            f"(target {result.target_share:g}) on {len(prompts)} prompts of {args.prompts}\n")
+    out = header + note + yaml.safe_dump(raw, sort_keys=False)
+    if args.write or args.out:
+        target = Path(args.config if args.write else args.out)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(out)
+        tmp.rename(target)
+        print(f"written: {target}")
+    else:
+        print(yaml.safe_dump({"algorithm": raw["algorithm"]}, sort_keys=False), end="")
+    return 0
+
+
 def cmd_convert_router(args: argparse.Namespace) -> int:
     from tokenrouter.routing.r2r_release import convert_r2r_router
 
@@ -348,6 +409,26 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("--threshold", type=float, default=None,
                     help="instead of the checkpoint's own (common_args.threshold, what R2R serves with)")
     cr.set_defaults(func=cmd_convert_router)
+
+    cal = sub.add_parser("calibrate", help="search a routed group's threshold until the large model writes a target "
+                                           "share of the output tokens on your prompts (on-policy)")
+    add_group_args(cal)
+    cal.add_argument("--prompts", required=True,
+                     help="JSONL with `prompt` (text) or `messages` (a chat, through the chat template) per line, "
+                          "or a text file with one prompt per line")
+    cal.add_argument("--target-share", type=float, required=True,
+                     help="share of output tokens the non-entry (large) model should write, in [0, 1]")
+    cal.add_argument("--tolerance", type=float, default=0.025, help="accepted distance from the target share")
+    cal.add_argument("--max-tokens", type=int, default=96, help="tokens per greedy answer")
+    cal.add_argument("--max-iterations", type=int, default=10, help="probes, each answering every prompt")
+    cal.add_argument("--max-prompts", type=int, default=None, help="use the file's first N prompts")
+    cal.add_argument("--start", type=float, default=None, help="first threshold probed (default: the group's own)")
+    cal.add_argument("--quiet", action="store_true", help="no progress bars")
+    where = cal.add_mutually_exclusive_group()
+    where.add_argument("--write", action="store_true", help="write the threshold into the --config YAML")
+    where.add_argument("--out", default=None, help="write the calibrated group to this YAML instead "
+                                                   "(relative paths in it stay relative to where they were)")
+    cal.set_defaults(func=cmd_calibrate)
 
     from tokenrouter.bench.cli import add_bench_parser
     from tokenrouter.planner.cli import add_plan_parser

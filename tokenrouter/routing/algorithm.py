@@ -76,6 +76,8 @@ class RoutingAlgorithm(ABC):
     once at the entry and gives every model the result in `params_of[rid]` ({name: value} for every
     name of request_params). `request_values(step, name)` reads one of them for a whole step.
 
+    `share_knob`: the one of `request_params` that `tokenrouter calibrate` searches (see below).
+
     `needs_router`: the algorithm reads a trained router folder (its `router` parameter), so a group's
     `routers:` section may name one for it by the algorithm's name.
     """
@@ -83,6 +85,10 @@ class RoutingAlgorithm(ABC):
     name: ClassVar[str]
     needs_router: ClassVar[bool] = False
     request_params: ClassVar[tuple[str, ...]] = ()
+    # The per-request parameter (a number in [0, 1]) that sets how many tokens the other models write,
+    # and whether raising it makes them write more (True) or fewer: `tokenrouter calibrate` searches it
+    # for a target share. None: the algorithm has no such knob.
+    share_knob: ClassVar[tuple[str, bool] | None] = None
 
     def __init__(self, models: list[str], **params: Any) -> None:
         if len(set(models)) != len(models) or not models:

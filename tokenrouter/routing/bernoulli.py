@@ -28,6 +28,7 @@ def hands_off(seeds: list[int], positions: list[int], p: float | torch.Tensor) -
 class Bernoulli(DeferToLarge):
     name = "bernoulli"
     request_params = ("p",)
+    share_knob = ("p", True)
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)

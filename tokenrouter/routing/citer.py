@@ -13,6 +13,7 @@ from tokenrouter.routing.deferral import HeadDeferral
 class Citer(HeadDeferral):
     name = "citer"
     request_params = ("tau",)
+    share_knob = ("tau", True)
 
     def __init__(self, models: list[str], router: str, tau: float | None = None) -> None:
         super().__init__(models, router)

@@ -13,6 +13,7 @@ from tokenrouter.routing.deferral import HeadDeferral
 class CoLLM(HeadDeferral):
     name = "co_llm"
     request_params = ("eta",)
+    share_knob = ("eta", False)
 
     def __init__(self, models: list[str], router: str, eta: float | None = None) -> None:
         super().__init__(models, router)

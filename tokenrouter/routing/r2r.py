@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 class R2R(HeadDeferral):
     name = "r2r"
     request_params = ("threshold",)
+    share_knob = ("threshold", False)
 
     def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
         super().__init__(models, router)

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 class RStitch(RoutingAlgorithm):
     name = "r_stitch"
     request_params = ("tau",)
+    share_knob = ("tau", False)
 
     def __init__(self, models: list[str], tau: float = 0.03) -> None:
         super().__init__(models)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -65,3 +66,10 @@ def split(held_out: int = HELD_OUT, seed: int = 0) -> Split:
         raise ValueError(f"held_out must be between 1 and {len(allp) - 1}, got {held_out}")
     chosen = set(random.Random(seed).sample(range(len(allp)), held_out))
     return Split([p for i, p in enumerate(allp) if i not in chosen], [p for i, p in enumerate(allp) if i in chosen])
+
+
+def chat_prompts(tokenizer: Any, problems: Sequence[Any]) -> list[list[int]]:
+    """Prompt ids of each problem's `prompt` asked as one user turn in the tokenizer's chat template."""
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False))
+            for p in problems]

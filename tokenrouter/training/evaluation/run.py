@@ -1,16 +1,17 @@
-"""`tokenrouter eval`: what routing buys in quality and what it costs, on held-out CHAMP problems.
+"""`tokenrouter eval`: what routing buys in quality and what it costs, on the held-out problems of a
+task (evaluation/tasks.py: CHAMP, or generated arithmetic and word problems).
 
 Systems, each answering every held-out problem greedily through the real runtime (RoutedLLM):
 - the small model alone and the large model alone;
 - each token-level algorithm (CITER, R2R, Co-LLM, R-Stitch) at several thresholds, spread around
-  the calibrated one;
+  the served (on-policy calibrated) one;
 - query-level routing in the style of RouteLLM (evaluation/query_router.py) at several shares of
   requests, assembled from the two single-model runs (a routed request's answer is exactly that
   model's answer).
 Each system gets: the share of output tokens written by the large model, the mean NLL of its output
 under the large model, the agreement with the large model's greedy answer (common prefix over output
-tokens), and final-answer accuracy. The results go to JSON, a Markdown table and a PNG plot of
-quality against cost.
+tokens), and final-answer accuracy with its 95% Wilson interval. The results go to JSON, a Markdown
+table and a PNG plot of quality against cost.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from typing import Any, NamedTuple
 import torch
 
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.training import champ
-from tokenrouter.training.evaluation.metrics import AnswerScore, Totals, common_prefix, is_correct, nll_under
+from tokenrouter.training.champ import chat_prompts
+from tokenrouter.training.evaluation.metrics import AnswerScore, Totals, common_prefix, nll_under
 from tokenrouter.training.evaluation.query_router import QueryRouter, gain_labels, prompt_features, route_top
+from tokenrouter.training.evaluation.tasks import Task, task
 from tokenrouter.training.prepare import THRESHOLD_PARAM, PreparedPair, shifted
 
 TOKEN_LEVEL = ("citer", "r2r", "co_llm", "r_stitch")
@@ -36,11 +38,12 @@ R_STITCH_TAUS = (0.02, 0.05, 0.1, 0.2, 0.3)
 
 @dataclass
 class EvalSettings:
-    problems: int = 40  # held-out problems answered (at most champ.HELD_OUT)
+    task: str = "champ"  # evaluation/tasks.py
+    problems: int | None = None  # held-out problems answered (default: all of the task's)
     max_tokens: int = 96
     algorithms: tuple[str, ...] = TOKEN_LEVEL
     points: int = 5  # thresholds per algorithm
-    spread: float = 2.0  # thresholds span the calibrated one +- this much in logit
+    spread: float = 2.0  # thresholds span the served one +- this much in logit
     query_train_problems: int = 120  # training problems that fit the query-level router
     reference_tokens: int = 128  # reference-solution tokens per problem for its labels
     query_shares: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
@@ -49,20 +52,15 @@ class EvalSettings:
 
 class SystemResult(NamedTuple):
     system: str  # "small", "large", "r2r", "query", ...
-    param: str  # the threshold setting, "" for single models
+    param: str  # the threshold setting ("... (served)" for the pair's served one), "" for single models
     totals: Totals
     seconds: float
 
 
-def chat_prompts(tokenizer: Any, problems: Sequence[champ.Problem]) -> list[list[int]]:
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=True,
-                                               add_generation_prompt=True, return_dict=False))
-            for p in problems]
-
-
 def threshold_grid(kind: str, calibrated: float | None, points: int, spread: float) -> list[float]:
-    """Thresholds for a sweep: R-Stitch's fixed entropy taus, else the calibrated threshold moved in
-    logit space (scores are sigmoid outputs, so equal logit steps spread the routed share evenly)."""
+    """Thresholds for a sweep: R-Stitch's fixed entropy taus, else the served threshold moved in
+    logit space (scores are sigmoid outputs, so equal logit steps spread the routed share evenly); an
+    odd number of points includes the served threshold itself."""
     if kind == "r_stitch":
         return list(R_STITCH_TAUS[:points])
     if calibrated is None:
@@ -99,15 +97,15 @@ def answer(models: list[dict[str, Any]], algorithm: dict[str, Any], prompts: lis
     return Answers([x.token_ids for x in c], [x.token_models or [] for x in c], [x.text for x in c], seconds)
 
 
-def score(ans: Answers, prompts: list[list[int]], large_greedy: list[list[int]], problems: list[champ.Problem],
-          large_model: Any) -> list[AnswerScore]:
+def score(ans: Answers, prompts: list[list[int]], large_greedy: list[list[int]], problems: Sequence[Any],
+          large_model: Any, t: Task) -> list[AnswerScore]:
     nll = nll_under(large_model, prompts, ans.outputs)
-    return [AnswerScore(len(o), sum(m == "large" for m in ms), s, common_prefix(o, g), is_correct(t, p.answer))
-            for o, ms, s, g, t, p in zip(ans.outputs, ans.models, nll, large_greedy, ans.texts, problems)]
+    return [AnswerScore(len(o), sum(m == "large" for m in ms), s, common_prefix(o, g), t.correct(text, p.answer))
+            for o, ms, s, g, text, p in zip(ans.outputs, ans.models, nll, large_greedy, ans.texts, problems)]
 
 
 def fit_query_router(tokenizer: Any, small: Any, large: Any, s: EvalSettings) -> QueryRouter:
-    train = champ.split(seed=s.seed).train[:s.query_train_problems]
+    train = list(task(s.task).split(s.seed)[0])[:s.query_train_problems]
     train = [p for p in train if p.solutions]
     prompts = chat_prompts(tokenizer, train)
     refs = [tokenizer.encode(p.solutions[0], add_special_tokens=False)[:s.reference_tokens] for p in train]
@@ -117,13 +115,16 @@ def fit_query_router(tokenizer: Any, small: Any, large: Any, s: EvalSettings) ->
 def evaluate(pair: PreparedPair, s: EvalSettings, progress: bool = True, log: Any = print) -> list[SystemResult]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not 1 <= s.problems <= champ.HELD_OUT:
-        raise ValueError(f"problems must be between 1 and {champ.HELD_OUT}, got {s.problems}")
+    t = task(s.task)
+    count = t.held_out if s.problems is None else s.problems
+    if not 1 <= count <= t.held_out:
+        raise ValueError(f"problems must be between 1 and {t.held_out} (the {t.name} task's held-out problems), "
+                         f"got {s.problems}")
     unknown = sorted(set(s.algorithms) - set(TOKEN_LEVEL))
     if unknown:
         raise ValueError(f"unknown algorithms {unknown}; eval knows {', '.join(TOKEN_LEVEL)}")
     tok = AutoTokenizer.from_pretrained(str(pair.large))
-    problems = champ.split(seed=s.seed).held_out[:s.problems]
+    problems = list(t.split(s.seed)[1])[:count]
     prompts = chat_prompts(tok, problems)
     small_spec = {"name": "small", "path": str(pair.small)}
     large_spec = {"name": "large", "path": str(pair.large)}
@@ -136,8 +137,8 @@ def evaluate(pair: PreparedPair, s: EvalSettings, progress: bool = True, log: An
     log("answering with the small model alone")
     small_ans = answer([small_spec], {"name": "single"}, prompts, s.max_tokens, progress)
     # single-model runs name their one model "large"/"small" already, so token shares come out right
-    large_scores = score(large_ans, prompts, large_ans.outputs, problems, large_model)
-    small_scores = score(small_ans, prompts, large_ans.outputs, problems, large_model)
+    large_scores = score(large_ans, prompts, large_ans.outputs, problems, large_model, t)
+    small_scores = score(small_ans, prompts, large_ans.outputs, problems, large_model, t)
     results += [SystemResult("small", "", Totals.of(small_scores), small_ans.seconds),
                 SystemResult("large", "", Totals.of(large_scores), large_ans.seconds)]
 
@@ -149,14 +150,15 @@ def evaluate(pair: PreparedPair, s: EvalSettings, progress: bool = True, log: An
         mixed = [lg if m else sm for m, lg, sm in zip(mask, large_scores, small_scores)]
         results.append(SystemResult("query", f"share={share:g}", Totals.of(mixed), 0.0))
 
-    thresholds = pair.meta()["thresholds"]
+    served = pair.meta()["thresholds"]
     for kind in s.algorithms:
-        for value in threshold_grid(kind, thresholds.get(kind), s.points, s.spread):
+        for value in threshold_grid(kind, served.get(kind), s.points, s.spread):
             log(f"answering with {kind} at {value:.6g}")
             ans = answer([small_spec, large_spec], algorithm_config(kind, pair, value), prompts, s.max_tokens,
                          progress)
-            totals = Totals.of(score(ans, prompts, large_ans.outputs, problems, large_model))
-            results.append(SystemResult(kind, f"{value:.6g}", totals, ans.seconds))
+            totals = Totals.of(score(ans, prompts, large_ans.outputs, problems, large_model, t))
+            mark = " (served)" if kind in served and value == served[kind] else ""
+            results.append(SystemResult(kind, f"{value:.6g}{mark}", totals, ans.seconds))
     return results
 
 
@@ -168,39 +170,52 @@ def gap_closed(r: SystemResult, small: Totals, large: Totals) -> float:
 def table(results: Sequence[SystemResult]) -> str:
     by = {r.system: r.totals for r in results if r.system in ("small", "large")}
     rows = ["| system | threshold | large-token share | NLL under large | NLL gap closed | agreement | accuracy |"
-            " answers | tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|"]
+            " accuracy 95% CI | answers | tokens | seconds |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         t = r.totals
         closed = gap_closed(r, by["small"], by["large"]) if {"small", "large"} <= set(by) else float("nan")
         seconds = f"{r.seconds:.1f}" if r.seconds else "-"
         rows.append(f"| {r.system} | {r.param or '-'} | {t.large_share:.3f} | {t.nll:.3f} | {closed:.2f} | "
-                    f"{t.agreement:.3f} | {t.accuracy:.3f} | {t.answers} | {t.tokens} | {seconds} |")
+                    f"{t.agreement:.3f} | {t.accuracy:.3f} | [{t.accuracy_low:.3f}, {t.accuracy_high:.3f}] | "
+                    f"{t.answers} | {t.tokens} | {seconds} |")
     return "\n".join(rows)
 
 
-def plot(results: Sequence[SystemResult], path: Path) -> None:
+def plot(results: Sequence[SystemResult], path: Path, title: str = "held-out CHAMP problems") -> None:
+    """Quality against the large-token share: NLL, agreement, and accuracy with 95% Wilson intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
     systems = list(dict.fromkeys(r.system for r in results if r.system not in ("small", "large")))
     for ax, metric, label in ((axes[0], "nll", "mean NLL under the large model (lower is better)"),
-                              (axes[1], "agreement", "agreement with the large model's greedy answer")):
+                              (axes[1], "agreement", "agreement with the large model's greedy answer"),
+                              (axes[2], "accuracy", "accuracy (bars: 95% Wilson interval)")):
         for name in systems:
-            pts = sorted((r.totals.large_share, getattr(r.totals, metric)) for r in results if r.system == name)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if name != "query" else "s--", label=name)
+            pts = sorted((r.totals for r in results if r.system == name), key=lambda t: t.large_share)
+            xs, ys = [t.large_share for t in pts], [getattr(t, metric) for t in pts]
+            style = "o-" if name != "query" else "s--"
+            if metric == "accuracy":
+                err = [[y - t.accuracy_low for y, t in zip(ys, pts)], [t.accuracy_high - y for y, t in zip(ys, pts)]]
+                ax.errorbar(xs, ys, yerr=err, fmt=style, capsize=3, label=name)
+            else:
+                ax.plot(xs, ys, style, label=name)
         for r in results:
             if r.system in ("small", "large"):
-                ax.plot(r.totals.large_share, getattr(r.totals, metric), "k*", markersize=12)
-                ax.annotate(r.system, (r.totals.large_share, getattr(r.totals, metric)),
-                            textcoords="offset points", xytext=(5, 5))
+                y = getattr(r.totals, metric)
+                if metric == "accuracy":
+                    ax.errorbar([r.totals.large_share], [y], fmt="k*", markersize=12, capsize=3,
+                                yerr=[[y - r.totals.accuracy_low], [r.totals.accuracy_high - y]])
+                else:
+                    ax.plot(r.totals.large_share, y, "k*", markersize=12)
+                ax.annotate(r.system, (r.totals.large_share, y), textcoords="offset points", xytext=(5, 5))
         ax.set_xlabel("share of output tokens written by the large model")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle("token-level vs query-level routing on held-out CHAMP problems")
+    fig.suptitle(f"token-level vs query-level routing on {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -212,4 +227,4 @@ def write(results: Sequence[SystemResult], out: Path, settings: EvalSettings, pa
     (out / "eval.json").write_text(json.dumps({"settings": settings.__dict__, "pair": str(pair.folder),
                                                "results": rows}, indent=1, default=list))
     (out / "eval.md").write_text(table(results) + "\n")
-    plot(results, out / "quality_vs_cost.png")
+    plot(results, out / "quality_vs_cost.png", task(settings.task).title)

@@ -1,0 +1,72 @@
+"""The eval's quality tasks (issue 18): the generated arithmetic task, its scorer, the task registry,
+and the accuracy's Wilson interval."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from tokenrouter.training import champ
+from tokenrouter.training.evaluation import arith
+from tokenrouter.training.evaluation.metrics import is_correct, wilson
+from tokenrouter.training.evaluation.tasks import task
+
+
+def test_arith_is_seeded_disjoint_and_sized():
+    a, b = arith.split(seed=0), arith.split(seed=0)
+    assert a == b and len(a.held_out) == arith.HELD_OUT and len(a.train) == arith.TRAIN
+    assert not {p.text for p in a.train} & {p.text for p in a.held_out}
+    assert len({p.ident for p in a.train + a.held_out}) == arith.HELD_OUT + arith.TRAIN
+    assert [p.text for p in arith.split(seed=1).held_out] != [p.text for p in a.held_out]
+    # every kind is there, in about equal numbers
+    bare = [p for p in a.held_out if p.text.startswith("What is")]
+    assert 0.4 < len(bare) / len(a.held_out) < 0.6
+    with pytest.raises(ValueError, match="held_out"):
+        arith.split(held_out=0)
+
+
+def test_arith_answers_are_right():
+    for p in arith.generate(400, seed=3):
+        assert p.prompt == arith.INSTRUCTION + p.text and p.answer.lstrip("-").isdigit()
+        m = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", p.text)
+        if m:
+            a, op, b = int(m[1]), m[2], int(m[3])
+            assert int(p.answer) == {"+": a + b, "-": a - b, "*": a * b}[op] and int(p.answer) > 0
+        # the worked solution ends on the answer, so the scorer accepts it
+        assert arith.number_match(p.solutions[0], p.answer)
+
+
+def test_number_match_takes_the_last_number_exactly():
+    assert arith.number_match("7 + 5 = 12", "12") and arith.number_match("The answer is 1,200.", "1200")
+    assert arith.number_match("12.0", "12") and arith.number_match("It is -3", "-3")
+    assert not arith.number_match("12 apples, 13 in all", "12") and not arith.number_match("twelve", "12")
+    assert not arith.number_match("12.5", "12") and arith.last_number("") is None
+
+
+def test_tasks_know_their_splits_and_scorers():
+    t = task("champ")
+    assert t.held_out == champ.HELD_OUT
+    assert [p.ident for p in t.split(0)[1]] == [p.ident for p in champ.split().held_out]
+    assert t.correct is is_correct
+    t = task("arith")
+    assert t.held_out == arith.HELD_OUT and t.split(0)[1] == arith.split().held_out and t.correct("so 4", "4")
+    with pytest.raises(ValueError, match="unknown task 'nope'"):
+        task("nope")
+
+
+def test_wilson_interval():
+    # the closed form: (p + z^2/2n +- z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)
+    z = 1.959963984540054
+    for k, n in ((0, 40), (2, 40), (150, 300), (300, 300)):
+        p = k / n
+        mid, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+        lo, hi = wilson(k, n)
+        assert lo == pytest.approx((mid - half) / (1 + z * z / n), abs=1e-9)
+        assert hi == pytest.approx((mid + half) / (1 + z * z / n), abs=1e-9)
+        assert lo <= p <= hi
+    assert all(math.isnan(x) for x in wilson(0, 0))
+    # 300 items at accuracy 0.5: about +-0.056
+    lo, hi = wilson(150, 300)
+    assert hi - lo == pytest.approx(0.112, abs=0.002)
