@@ -21,7 +21,8 @@ The clients never become project dependencies; each lives in its own virtualenv:
          S/bin/pip install aiohttp numpy orjson msgspec requests tqdm "transformers<5.20" Pillow \
              pybase64 psutil IPython datasets torchvision gguf starlette pyzmq sympy dill \
              apache-tvm-ffi sentencepiece networkx compressed-tensors
-         (torchvision brings a torch from PyPI; about 6 GB in all). Its `random` dataset samples
+         (torchvision brings a torch from PyPI; about 6 GB in all; these are the packages its imports
+         asked for one by one, not yet replayed into an empty venv). Its `random` dataset samples
          ShareGPT from the hub, so `random-ids` (random token ids, the same load) is used.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_clients.py --vllm-venv V --sglang-venv S
