@@ -7,7 +7,7 @@ import asyncio
 import json
 
 from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
-from tokenrouter.bench.workloads import WORKLOADS, build_prompts
+from tokenrouter.bench.workloads import RANDOM, WORKLOADS, build_prompts, random_id_prompts
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -17,7 +17,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     r.add_argument("--base-url", default="http://127.0.0.1:8000")
     r.add_argument("--model", required=True, help="the model name the server answers to")
     r.add_argument("--api-key", default=None)
-    r.add_argument("--workload", default="reasoning-low", choices=sorted(WORKLOADS))
+    r.add_argument("--workload", default="reasoning-low", choices=[*sorted(WORKLOADS), RANDOM],
+                   help=f"{RANDOM!r}: --random-input-len random token ids per prompt (needs --tokenizer), "
+                        "--max-tokens output tokens (default 64)")
+    r.add_argument("--random-input-len", type=int, default=128, help=f"prompt length of the {RANDOM!r} workload")
     r.add_argument("--scale", default="cpu", choices=["cpu", "paper"])
     r.add_argument("--tokenizer", default=None, help="model folder whose tokenizer cuts long prompts exactly")
     r.add_argument("--max-tokens", type=int, default=None, help="override the workload's output cap")
@@ -47,7 +50,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from tokenrouter.engine.tokenizer import load_tokenizer
 
         tok = load_tokenizer(args.tokenizer)
-    prompts, cap = build_prompts(args.workload, args.scale, args.num_requests, args.seed, tok)
+    prompts: list[str] | list[list[int]]
+    if args.workload == RANDOM:
+        if tok is None:
+            raise SystemExit(f"--workload {RANDOM} needs --tokenizer (its vocabulary)")
+        prompts, cap = random_id_prompts(args.num_requests, args.random_input_len, tok, args.seed), 64
+    else:
+        prompts, cap = build_prompts(args.workload, args.scale, args.num_requests, args.seed, tok)
     concurrencies = args.concurrency if args.concurrency else ([None] if args.request_rate else [8])
     for c in concurrencies:
         cfg = BenchConfig(base_url=args.base_url, model=args.model, prompts=prompts,

@@ -34,7 +34,7 @@ class RequestResult:
 class BenchConfig:
     base_url: str
     model: str
-    prompts: list[str]
+    prompts: list[str] | list[list[int]]  # texts, or token ids (sent as they are)
     max_tokens: int
     num_requests: int
     concurrency: int | None = 8  # closed loop; None with request_rate for open loop
@@ -82,6 +82,10 @@ def summarise(cfg: BenchConfig, results: list[RequestResult], duration: float) -
         "ttft_s": _pcts([r.ttft for r in done if r.ttft is not None]),
         "e2e_s": _pcts([r.e2e for r in done]),
         "itl_s": _pcts([g for r in done for g in r.itl]),
+        # Time per output token after the first, per request: (e2e - TTFT) / (output tokens - 1), the
+        # TPOT of vLLM's and SGLang's serving benchmarks (theirs ends at the last token, ours at [DONE]).
+        "tpot_s": _pcts([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done
+                         if r.ttft is not None and r.output_tokens > 1]),
         "per_user_tok_s": _pcts(speeds),
         "tokens_per_model": per_model,
         "handoffs": sum(r.handoffs for r in done),
@@ -89,7 +93,8 @@ def summarise(cfg: BenchConfig, results: list[RequestResult], duration: float) -
     }
 
 
-async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str, seed: int, max_tokens: int) -> RequestResult:
+async def _one(client: httpx.AsyncClient, cfg: BenchConfig, prompt: str | list[int], seed: int,
+               max_tokens: int) -> RequestResult:
     body = {"model": cfg.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": cfg.temperature,
             "stream": True, "stream_options": {"include_usage": True}, "seed": seed, **cfg.extra_body}
     if cfg.ignore_eos:

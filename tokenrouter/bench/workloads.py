@@ -1,4 +1,5 @@
-"""Benchmark workloads shaped like the paper's, from real text that ships in a PyPI package.
+"""Benchmark workloads shaped like the paper's, from real text that ships in a PyPI package, and the
+random token-id load that vLLM's and SGLang's serving benchmarks use.
 
 CHAMP (champ-dataset, MIT) gives 270 competition-math problems and about 43,700 LLM-written
 solutions. Reasoning workloads ask its problems (prompts of about 100 tokens) with long output caps;
@@ -87,3 +88,18 @@ def build_prompts(workload: str, scale: str, n: int, seed: int = 0, tokenizer: A
             body = body[:(target - 32) * 4]
         prompts.append("Here is a log of previous attempts:\n\n" + body + "\n\nContinue from where it stops.")
     return prompts, w.max_tokens[scale]
+
+
+RANDOM = "random"  # not a text workload: prompts of random token ids (random_id_prompts)
+
+
+def random_id_prompts(n: int, input_len: int, tokenizer: Any, seed: int = 0) -> list[list[int]]:
+    """n prompts of exactly input_len token ids drawn uniformly (seeded) from the tokenizer's vocabulary,
+    special tokens left out: the load of `vllm bench serve --dataset-name random` and SGLang's
+    `bench_serving --dataset-name random-ids`, sent as token ids so its length is exact."""
+    if input_len < 1:
+        raise ValueError(f"the random prompt length must be >= 1, got {input_len}")
+    special = set(tokenizer.all_special_ids)
+    vocab = [t for t in range(len(tokenizer)) if t not in special]
+    rng = random.Random(seed)
+    return [[rng.choice(vocab) for _ in range(input_len)] for _ in range(n)]

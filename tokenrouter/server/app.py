@@ -87,6 +87,7 @@ class OpenAIServer:
     def __init__(self, runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> None:
         self.runtime, self.tokenizer, self.cfg = runtime, tokenizer, cfg
         self.metrics = ServerMetrics(cfg.model_name)
+        self.created = int(time.time())  # the model card's `created`: when this server started
         # Parsing a large body and tokenising a long prompt take seconds: on the event loop they would
         # stall every endpoint.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenrouter-tokenize")
@@ -454,10 +455,20 @@ class OpenAIServer:
         return JSONResponse({"version": __version__})
 
     async def models(self, request: Request) -> Response:
+        """vLLM's model card: clients read `root` (`vllm bench serve` without --model fails on a card
+        without it, and loads its tokenizer from there when not given --tokenizer). Here root is the
+        folder the server's tokenizer comes from; `members` (extension) names the group's models."""
         self.check_auth(request)
+        entry = self.runtime.entry
+        root = self.runtime.group.spec(entry.algorithm.entry_model).engine.model_path if entry else None
         return JSONResponse({"object": "list", "data": [{
-            "id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "tokenrouter",
-            "max_model_len": self.context_len() if self.runtime.entry else None,
+            "id": self.cfg.model_name, "object": "model", "created": self.created, "owned_by": "tokenrouter",
+            "root": root, "parent": None, "max_model_len": self.context_len() if entry else None,
+            "permission": [{"id": f"modelperm-{self.created}", "object": "model_permission",
+                            "created": self.created, "allow_create_engine": False, "allow_sampling": True,
+                            "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                            "allow_fine_tuning": False, "organization": "*", "group": None,
+                            "is_blocking": False}],
             "members": self.runtime.group.names}]})
 
     async def health(self) -> Response:
