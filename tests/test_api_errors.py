@@ -56,7 +56,8 @@ def test_generation_error_message_is_one_line_with_request_id(tokenizer):
     try:
         crash = f"subserver 'large' failed: RuntimeError: boom\nTraceback (most recent call last):\n  {SECRET}"
         for fatal, status in ((True, 503), (False, 500)):
-            err = server.generation_error("cmpl-1", Done("cmpl-1", "error", None, "", crash, {}, 0, fatal=fatal))
+            done = Done("cmpl-1", "error", None, "", crash, {}, 0, fatal=fatal)
+            err = server.choices.generation_error("cmpl-1", done)
             assert err.status == status and "cmpl-1" in err.message
             assert SECRET not in err.message and "Traceback" not in err.message
     finally:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import functools
 import hmac
 import logging
 import time
@@ -22,12 +20,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tokenrouter import __version__
-from tokenrouter.engine.request_validation import InvalidRequest
-from tokenrouter.routing import RoutingParamError
-from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, TokenOut
+from tokenrouter.server.async_entry import AsyncEntry, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
-from tokenrouter.server.generation import Generation, finish_reason, merged, routing, sse, total_routing, usage
+from tokenrouter.server.choices import ChoiceRunner
+from tokenrouter.server.generation import finish_reason, routing, total_routing, usage
+from tokenrouter.server.logprobs import LogprobFormat
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import (
     APIError,
@@ -39,6 +36,7 @@ from tokenrouter.server.protocol import (
     completion_chunk,
     parse_request,
     parse_tool_request,
+    public_message,
     validation_message,
 )
 
@@ -67,12 +65,6 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex[:16]}"
 
 
-def public_message(error: str | None) -> str:
-    """What a client may read of an internal error message: its first line (never a traceback)."""
-    lines = (error or "").strip().splitlines()
-    return lines[0][:500] if lines else "unknown error"
-
-
 def _check_bearer(header: str, api_key: str) -> bool:
     """Whether an Authorization header carries the key; the scheme is case-insensitive (RFC 9110)."""
     scheme, _, token = header.strip().partition(" ")
@@ -92,7 +84,8 @@ class OpenAIServer:
         # stall every endpoint.
         self.pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="tokenrouter-tokenize")
         self.specials = special_token_texts(tokenizer)
-        self.token_text = functools.lru_cache(maxsize=65536)(lambda tok: tokenizer.decode([tok]))
+        self.logprobs = LogprobFormat(tokenizer)
+        self.choices = ChoiceRunner(runtime, self.metrics, cfg.request_timeout)
         if getattr(tokenizer, "chat_template", None) is None:
             logger.warning("the tokenizer has no chat template; chat requests use ChatML")
 
@@ -125,15 +118,6 @@ class OpenAIServer:
         return self.api_error(APIError(500, f"internal server error (request id {request_id}); the server "
                                             "log has the details", type_="internal_error"), request_id)
 
-    def generation_error(self, rid: str, done: Done) -> APIError:
-        """The error a failed generation answers with; the full message goes to the log only."""
-        logger.error("request %s failed: %s", rid, done.error)
-        if done.fatal:
-            return APIError(503, f"the model group failed or is shutting down (request id {rid}); "
-                                 f"{public_message(done.error)}", type_="service_unavailable")
-        return APIError(500, f"generation failed (request id {rid}): {public_message(done.error)}",
-                        type_="internal_error")
-
     # ---- shared steps ------------------------------------------------------------------------
     def check_auth(self, request: Request) -> None:
         key = self.cfg.api_key
@@ -161,172 +145,6 @@ class OpenAIServer:
         assert self.runtime.entry is not None
         return self.runtime.entry.context_len
 
-    # ---- admission: the request is checked once, by the runtime's rules, into the plan it runs ----
-    def submit(self, ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams],
-               routing: dict[str, Any] | None = None) -> Generation:
-        try:
-            return Generation(self.runtime.submit(self.runtime.admit(ids, max_tokens, sampling, routing)))
-        except InvalidRequest as e:
-            raise APIError(400, str(e), param=e.param) from None
-        except RoutingParamError as e:
-            raise APIError(400, str(e), param=f"routing.{e.field}" if e.field else "routing") from None
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        except EntryUnavailable:
-            raise APIError(503, "the server cannot take requests: the model group is not serving",
-                           type_="service_unavailable") from None
-
-    def submit_choices(self, prompts: list[list[int]], n: int, max_tokens: int | None,
-                       sampling: Callable[[int], SamplingParams], routing: dict[str, Any] | None) -> list[Generation]:
-        """A request's choices, each a routed request of its own: choice i*n + j is prompt i's j-th
-        (OpenAI's numbering). As vLLM, choice j of a seeded request samples with seed + j, so the n
-        choices differ. If one is refused, those already submitted are aborted."""
-        def choice(j: int) -> Callable[[int], SamplingParams]:
-            def make(cap: int) -> SamplingParams:
-                params = sampling(cap)
-                return params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
-            return make
-
-        gens: list[Generation] = []
-        try:
-            for ids in prompts:
-                gens += [self.submit(ids, max_tokens, choice(j), routing) for j in range(n)]
-        except APIError:
-            for gen in gens:
-                self.runtime.abort(gen.stream.rid)
-            raise
-        return gens
-
-    def record(self, gen: Generation) -> None:
-        assert gen.done is not None
-        ttft = None if gen.first_token is None else gen.first_token - gen.start
-        self.metrics.finished(gen.done.finish_reason, gen.stream.prompt_len, gen.done.tokens_per_model,
-                              gen.done.handoffs, time.monotonic() - gen.start, ttft, gen.gaps)
-
-    def abandon(self, gen: Generation) -> None:
-        """The client went away or the time limit passed: abort on the group, count it (once)."""
-        if gen.abandoned:
-            return
-        gen.abandoned = True
-        self.runtime.abort(gen.stream.rid)
-        self.metrics.requests.labels("abort").inc()
-
-    def timeout_error(self) -> APIError:
-        return APIError(408, f"the request ran over the server's {self.cfg.request_timeout} s limit",
-                        code="request_timeout")
-
-    async def run_to_end(self, request: Request, gens: list[Generation]) -> None:
-        """Collect whole generations (a request's choices); abort them all if the client goes away
-        first or one of them fails."""
-        async def collect(gen: Generation) -> None:
-            async for _ in gen.events(self.cfg.request_timeout):
-                pass
-
-        def stopped(gen: Generation, task: asyncio.Task[None]) -> bool:
-            """Failed, or ran over the time limit: the other choices need not run on."""
-            return ((gen.done is not None and gen.done.finish_reason == "error")
-                    or (task.done() and task.exception() is not None))
-
-        tasks = [asyncio.create_task(collect(g)) for g in gens]
-        try:
-            while not all(t.done() for t in tasks) and not any(stopped(g, t) for g, t in zip(gens, tasks)):
-                await asyncio.wait([t for t in tasks if not t.done()], timeout=0.5,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                if not all(t.done() for t in tasks) and await request.is_disconnected():
-                    raise APIError(499, "client disconnected")
-            if any(t.done() and isinstance(t.exception(), TimeoutError) for t in tasks):
-                raise self.timeout_error()
-        finally:
-            for gen, task in zip(gens, tasks):
-                if gen.done is None:
-                    task.cancel()
-                    self.abandon(gen)
-        for gen in gens:
-            if gen.done is not None:
-                self.record(gen)
-        for gen in gens:
-            if gen.done is not None and gen.done.finish_reason == "error":
-                raise self.generation_error(gen.stream.rid, gen.done)
-
-    async def stream_events(self, gens: list[Generation], n: int, chunk: Any, usage_opts: tuple[bool, bool],
-                            every_token: bool, writers: bool = False,
-                            prefixes: list[str] | None = None) -> AsyncIterator[str]:
-        """SSE over a request's choices (choice i is gens[i]): a chunk per token that completes text
-        (every token when asked), a chunk with each choice's finish reason, [DONE]. Every token appears in
-        exactly one chunk; `prefixes` (echo) open each choice's text. With include_usage a last chunk has
-        no choices and the usage; with continuous_usage_stats too, every chunk carries the usage so far."""
-        include_usage, continuous = usage_opts
-
-        def counted(obj: dict[str, Any]) -> dict[str, Any]:
-            return {**obj, "usage": usage(gens, n)} if continuous else obj
-
-        pending: list[list[TokenOut]] = [[] for _ in gens]  # tokens not yet in a chunk (their text is held back)
-        events = merged([g.events(self.cfg.request_timeout) for g in gens])
-        completed = False
-        try:
-            for i, prefix in enumerate(prefixes or []):
-                yield sse(counted(chunk(i, [], prefix, None)))
-            async for i, item in events:
-                if item is None:
-                    yield sse(self.timeout_error().body())
-                    break
-                if isinstance(item, TokenOut):
-                    pending[i].append(item)
-                    if item.text or every_token:
-                        yield sse(counted(chunk(i, pending[i], item.text, None)))
-                        pending[i] = []
-                else:
-                    if item.finish_reason == "error":
-                        yield sse(self.generation_error(gens[i].stream.rid, item).body())
-                        break
-                    yield sse(counted({**chunk(i, pending[i], item.text, finish_reason(item)),
-                                       "routing": routing(gens[i], writers)}))
-            else:
-                completed = True
-            if completed and include_usage:
-                yield sse({**chunk(0, [], "", None), "choices": [], "usage": usage(gens, n)})
-            yield "data: [DONE]\n\n"
-        finally:
-            await events.aclose()
-            for gen in gens:
-                if gen.done is None:
-                    self.abandon(gen)  # the client went away mid-stream, a sibling failed, or the time limit
-                else:
-                    self.record(gen)
-
-    def completion_logprobs(self, toks: list[TokenOut], offset: int) -> dict[str, Any]:
-        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t in toks:
-            out["tokens"].append(self.token_text(t.token))
-            out["token_logprobs"].append(t.logprob)
-            out["top_logprobs"].append({self.token_text(k): v for k, v in (t.top_logprobs or {}).items()})
-            out["text_offset"].append(offset)
-            offset += len(t.text)
-        return out
-
-    def prompt_logprobs(self, prompt: list[int], values: tuple[list[float], list[dict[int, float]]] | None,
-                        ) -> dict[str, list[Any]]:
-        """OpenAI's logprobs of an echoed prompt: the first token has none (null), each other its logprob
-        and top logprobs; offsets count from the prompt's start. `values`: None when no token came."""
-        lps, tops = values if values is not None else ([], [])
-        texts = [self.token_text(t) for t in prompt]
-        offsets = [0]
-        for piece in texts[:-1]:
-            offsets.append(offsets[-1] + len(piece))
-        return {"tokens": texts, "token_logprobs": [None, *lps][:len(prompt)],
-                "top_logprobs": [None, *({self.token_text(k): v for k, v in t.items()} for t in tops)][:len(prompt)],
-                "text_offset": offsets}
-
-    def chat_logprobs(self, toks: list[TokenOut]) -> dict[str, Any]:
-        def entry(tok: int, lp: float | None) -> dict[str, Any]:
-            s = self.token_text(tok)
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-        return {"content": [
-            {**entry(t.token, t.logprob),
-             "top_logprobs": [entry(k, v) for k, v in (t.top_logprobs or {}).items()]}
-            for t in toks]}
-
     # ---- endpoints ---------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         self.check_auth(request)
@@ -335,7 +153,7 @@ class OpenAIServer:
         prompts = body.prompts(self.cfg.limits)
         encoded = await self.off_loop(lambda: [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
                                                for p in prompts])
-        gens = self.submit_choices(encoded, n, body.max_tokens,
+        gens = self.choices.submit_choices(encoded, n, body.max_tokens,
                                    lambda cap: body.sampling(cap, body.logprobs, body.prompt_logprobs), body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
@@ -350,12 +168,12 @@ class OpenAIServer:
         unechoed = set(range(len(gens))) if prompt_lp else set()
 
         def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
-            logprobs = self.completion_logprobs(toks, 0) if want_lp else None
+            logprobs = self.logprobs.completion(toks, 0) if want_lp else None
             if i in unechoed and (toks or reason is not None):
                 unechoed.discard(i)
                 assert echoed is not None
-                logprobs = self.completion_logprobs(toks, len(echoed[i]))
-                head = self.prompt_logprobs(encoded[i // n], toks[0].prompt_logprobs if toks else None)
+                logprobs = self.logprobs.completion(toks, len(echoed[i]))
+                head = self.logprobs.prompt(encoded[i // n], toks[0].prompt_logprobs if toks else None)
                 logprobs = {key: head[key] + logprobs[key] for key in head}
                 text = echoed[i] + text
             return completion_chunk(rid, created, model_name, i, text, reason, logprobs,
@@ -363,10 +181,10 @@ class OpenAIServer:
 
         if body.stream:
             every = want_lp or body.return_token_ids
-            return StreamingResponse(self.stream_events(gens, n, chunk, body.usage_options(), every,
+            return StreamingResponse(self.choices.stream_events(gens, n, chunk, body.usage_options(), every,
                                                         body.return_token_ids, None if prompt_lp else echoed),
                                      media_type="text/event-stream")
-        await self.run_to_end(request, gens)
+        await self.choices.run_to_end(request, gens)
         choices = []
         for i, gen in enumerate(gens):
             assert gen.done is not None
@@ -387,7 +205,7 @@ class OpenAIServer:
             raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
                            param="messages") from None
         logprobs = body.requested_logprobs()
-        gens = self.submit_choices([ids], body.n, body.max_completion_tokens or body.max_tokens,
+        gens = self.choices.submit_choices([ids], body.n, body.max_completion_tokens or body.max_tokens,
                                    lambda cap: body.sampling(cap, logprobs), body.routing)
         rid, created = "chat" + gens[0].stream.rid, int(time.time())
         first = [True] * len(gens)
@@ -400,19 +218,19 @@ class OpenAIServer:
                 first[i] = False
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": [{"index": i, "delta": delta, "finish_reason": reason,
-                                 "logprobs": self.chat_logprobs(toks) if logprobs is not None else None}]}
+                                 "logprobs": self.logprobs.chat(toks) if logprobs is not None else None}]}
 
         if body.stream:
-            return StreamingResponse(self.stream_events(gens, body.n, chunk, body.usage_options(),
+            return StreamingResponse(self.choices.stream_events(gens, body.n, chunk, body.usage_options(),
                                                         logprobs is not None),
                                      media_type="text/event-stream")
-        await self.run_to_end(request, gens)
+        await self.choices.run_to_end(request, gens)
         choices = []
         for i, gen in enumerate(gens):
             assert gen.done is not None
             choices.append({"index": i, "message": {"role": "assistant", "content": gen.text},
                             "finish_reason": finish_reason(gen.done),
-                            "logprobs": self.chat_logprobs(gen.tokens) if logprobs is not None else None,
+                            "logprobs": self.logprobs.chat(gen.tokens) if logprobs is not None else None,
                             "routing": routing(gen)})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,

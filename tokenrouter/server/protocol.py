@@ -41,6 +41,12 @@ MAX_CHOICES = 128  # prompts x n in one request: each choice is a routed request
 MAX_LOGIT_BIAS = 300  # entries of logit_bias, as OpenAI allows
 
 
+def public_message(error: str | None) -> str:
+    """What a client may read of an internal error message: its first line (never a traceback)."""
+    lines = (error or "").strip().splitlines()
+    return lines[0][:500] if lines else "unknown error"
+
+
 class APIError(Exception):
     """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}."""
 
