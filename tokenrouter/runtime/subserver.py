@@ -25,6 +25,7 @@ from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, Threshol
 from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
+from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
@@ -107,6 +108,10 @@ class Subserver:
         self.pending_seconds = 0.0
         self.step_seconds_sum = 0.0
         self.step_buckets = [0] * (len(STEP_LATENCY_BUCKETS) + 1)
+        # Per-stage seconds of the runtime around each step, only while tracing (step_trace.py).
+        self.trace = StepTraceWriter.from_env()
+        self.index = group.names.index(spec.name)
+        self.drain_seconds = 0.0  # handling inbox messages since the last step record
 
     def _push(self, address: str, watch: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -162,6 +167,12 @@ class Subserver:
     def _drain(self, timeout_ms: int) -> None:
         if not self.inbox.poll(timeout_ms):
             return
+        t0 = time.perf_counter() if self.trace.enabled else 0.0
+        self._drain_ready()
+        if self.trace.enabled:
+            self.drain_seconds += time.perf_counter() - t0
+
+    def _drain_ready(self) -> None:
         while True:
             try:
                 data = self.inbox.recv(zmq.NOBLOCK)
@@ -273,6 +284,7 @@ class Subserver:
     def _step(self) -> bool:
         """Run one step if the scheduler launches one; whether it did."""
         eng = self.engine
+        tracing = self.trace.enabled
         t0 = time.perf_counter()
         try:
             out = eng.forward_step()
@@ -283,10 +295,13 @@ class Subserver:
             return True
         if out is None:
             return False
-        took = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        took = t1 - t0
         self.step_seconds_sum += took
         self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
         if not out.reqs:
+            if tracing:
+                self._trace_stages(t0, {"forward": took})
             return True
         try:
             routes = self.algorithm.route(self.name, out)
@@ -295,6 +310,7 @@ class Subserver:
             for req in out.reqs:
                 self._fail(req.rid)
             return True
+        t2 = time.perf_counter() if tracing else 0.0
         now = time.monotonic()
         events: list[TokenEvent] = []
         finished: list[Req] = []
@@ -308,17 +324,27 @@ class Subserver:
                     continue
             if route.dest is not None:
                 handoffs.append((req, route.dest))
+        t3 = time.perf_counter() if tracing else 0.0
         self.tokens_written += len(events)
         counts = {req.rid: self.handoffs_of.get(req.rid, 0) + 1 for req, _ in handoffs}
         self.handoffs_of.update(counts)
         # Tokens first: the entry must see a request's last token no later than its finish.
         if events or counts:
             self._send(self.to_entry, Tokens(self.name, events, counts))
+        t4 = time.perf_counter() if tracing else 0.0
         for req in finished:
             self._finished(req)
+        t5 = time.perf_counter() if tracing else 0.0
         for req, dest in handoffs:
             self._handoff(req, dest, now)
+        if tracing:
+            self._trace_stages(t0, {"forward": took, "route": t2 - t1, "commit": t3 - t2, "tokens_msg": t4 - t3,
+                                    "finish": t5 - t4, "handoff": time.perf_counter() - t5})
         return True
+
+    def _trace_stages(self, start: float, stages: dict[str, float]) -> None:
+        stages["drain"], self.drain_seconds = self.drain_seconds, 0.0
+        self.trace.write_stages(self.index, start, stages)
 
     @staticmethod
     def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
