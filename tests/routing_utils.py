@@ -193,7 +193,9 @@ class Rig:
         return self.subs[name].engine.reqs.get(rid)
 
     def step(self, name: str) -> None:
+        """One step, its messages sent (the loop sends them during the next step or before it waits)."""
         self.subs[name]._step()
+        self.subs[name]._flush()
 
     def pump(self, done: Callable[[], bool], what: str, max_rounds: int = 2000, timeout: float = 30.0) -> None:
         """Run both subservers (drain, step) until done(); bounded in rounds and time."""

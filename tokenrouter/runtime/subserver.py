@@ -112,6 +112,12 @@ class Subserver:
         self.trace = StepTraceWriter.from_env()
         self.index = group.names.index(spec.name)
         self.drain_seconds = 0.0  # handling inbox messages since the last step record
+        self.overlap_seconds = 0.0  # work done while the last step ran
+        # Overlap (as SGLang's overlap scheduler, for the part that leaves the batch alone): a step's
+        # messages to the entry wait here and go out while the next step runs, and messages that
+        # arrive meanwhile are received and decoded then, and handled after it.
+        self.outbox: list[tuple[zmq.Socket, Any]] = []
+        self.received: list[Any] = []
 
     def _push(self, address: str, watch: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -125,6 +131,22 @@ class Subserver:
 
     def _send(self, sock: zmq.Socket, msg: Any) -> None:
         sock.send(encode(msg), zmq.NOBLOCK)
+
+    def _send_later(self, sock: zmq.Socket, msg: Any) -> None:
+        """Send during the next step (or before the loop next waits), after what is already queued."""
+        self.outbox.append((sock, msg))
+
+    def _flush(self) -> None:
+        outbox, self.outbox = self.outbox, []
+        for sock, msg in outbox:
+            self._send(sock, msg)
+
+    def _in_flight(self) -> None:
+        """Run by the executor while a step is in flight: it touches neither the batch nor the scheduler."""
+        t0 = time.perf_counter()
+        self._flush()
+        self._receive_ready()
+        self.overlap_seconds += time.perf_counter() - t0
 
     # ---- the loops -------------------------------------------------------------------------
     def run(self) -> None:
@@ -165,24 +187,14 @@ class Subserver:
             self.engine.check_integrity()
 
     def _drain(self, timeout_ms: int) -> None:
-        if not self.inbox.poll(timeout_ms):
+        if timeout_ms:
+            self._flush()  # about to wait: nothing may stay unsent meanwhile
+        if not self.received and not self.inbox.poll(timeout_ms):
             return
         t0 = time.perf_counter() if self.trace.enabled else 0.0
-        self._drain_ready()
-        if self.trace.enabled:
-            self.drain_seconds += time.perf_counter() - t0
-
-    def _drain_ready(self) -> None:
-        while True:
-            try:
-                data = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = decode(data)
-            except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
-                logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
-                continue
+        self._receive_ready()
+        received, self.received = self.received, []
+        for msg in received:
             try:
                 self._handle(msg)
             except Exception:  # noqa: BLE001 - one request's message must not stop the model
@@ -190,6 +202,19 @@ class Subserver:
                 logger.exception("%s: handling %s of request %s failed", self.name, type(msg).__name__, rid)
                 if rid is not None:
                     self._fail(rid)
+        if self.trace.enabled:
+            self.drain_seconds += time.perf_counter() - t0
+
+    def _receive_ready(self) -> None:
+        while True:
+            try:
+                data = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self.received.append(decode(data))
+            except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
+                logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddReq):
@@ -287,7 +312,7 @@ class Subserver:
         tracing = self.trace.enabled
         t0 = time.perf_counter()
         try:
-            out = eng.forward_step()
+            out = eng.forward_step(self._in_flight)
         except StepFailed as e:
             logger.error("%s: %s", self.name, e, exc_info=e.__cause__)
             for req in e.failed:
@@ -330,7 +355,7 @@ class Subserver:
         self.handoffs_of.update(counts)
         # Tokens first: the entry must see a request's last token no later than its finish.
         if events or counts:
-            self._send(self.to_entry, Tokens(self.name, events, counts))
+            self._send_later(self.to_entry, Tokens(self.name, events, counts))
         t4 = time.perf_counter() if tracing else 0.0
         for req in finished:
             self._finished(req)
@@ -344,6 +369,7 @@ class Subserver:
 
     def _trace_stages(self, start: float, stages: dict[str, float]) -> None:
         stages["drain"], self.drain_seconds = self.drain_seconds, 0.0
+        stages["overlap"], self.overlap_seconds = self.overlap_seconds, 0.0
         self.trace.write_stages(self.index, start, stages)
 
     @staticmethod
@@ -357,10 +383,10 @@ class Subserver:
     def _finished(self, req: Req) -> None:
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
         self.algorithm.finish(req)
-        self._send(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop, len(req.tokens),
-                                           self.handoffs_of.pop(req.rid, 0)))
+        self._send_later(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
+                                                 len(req.tokens), self.handoffs_of.pop(req.rid, 0)))
         for peer in self.known.pop(req.rid, {}):
-            self._send(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
+            self._send_later(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
 
     def _handoff(self, req: Req, dest: str, now: float) -> None:
         if dest not in self.to_peer:
@@ -389,6 +415,7 @@ class Subserver:
         )
 
     def close(self) -> None:
+        self._flush()
         if self.engine.tp is not None:
             self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
         if self.clock is not None:
