@@ -36,6 +36,7 @@ from tokenrouter.runtime.messages import (
     AddReq,
     Finished,
     FirstVisit,
+    Handoff,
     Peer,
     Ready,
     ReqError,
@@ -198,7 +199,7 @@ class Subserver:
             try:
                 self._handle(msg)
             except Exception:  # noqa: BLE001 - one request's message must not stop the model
-                rid = msg.req.rid if isinstance(msg, Peer) else getattr(msg, "rid", None)
+                rid = getattr(msg, "rid", None)
                 logger.exception("%s: handling %s of request %s failed", self.name, type(msg).__name__, rid)
                 if rid is not None:
                     self._fail(rid)
@@ -227,7 +228,12 @@ class Subserver:
             self.handoffs_of[msg.rid] = 0
             self.algorithm.start(req, msg.routing)
         elif isinstance(msg, Peer):
-            self._receive(msg)
+            for item in msg.items:
+                try:
+                    self._receive(msg.sender, item)
+                except Exception:  # noqa: BLE001 - one request's hand-off must not stop the others
+                    logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
+                    self._fail(item.req.rid)
         elif isinstance(msg, Abort):
             self.aborted[msg.rid] = time.monotonic()
             self._drop(msg.rid)
@@ -269,15 +275,15 @@ class Subserver:
         if since is not None:
             self.pending_seconds += time.monotonic() - since
 
-    def _receive(self, msg: Peer) -> None:
+    def _receive(self, sender: str, msg: Handoff) -> None:
         peer = self.algorithm.receive(msg.req, self.name)
         rid = peer.rid
         if peer.finished:
             # Pass the finish on to the other peers that hold a copy: with three or more models the
             # finisher may never have exchanged this request with them (m1 -> m2 -> m3 finishes).
             for other in self.known.get(rid, {}):
-                if other != msg.sender:
-                    self._send(self.to_peer[other], Peer(self.name, PeerReq(rid=rid, suffix=[], loc=0, finished=True)))
+                if other != sender:
+                    self._send(self.to_peer[other], Peer(self.name, [_finish_notice(rid)]))
             self._drop(rid)
             return
         if rid in self.aborted:
@@ -303,7 +309,7 @@ class Subserver:
             since = self.pending_since.pop(rid, None)
             if since is not None:
                 self.pending_seconds += time.monotonic() - since
-        self.known[rid][msg.sender] = peer.loc + len(peer.suffix)
+        self.known[rid][sender] = peer.loc + len(peer.suffix)
         self.handoffs_of[rid] = msg.handoffs
 
     def _step(self) -> bool:
@@ -357,11 +363,17 @@ class Subserver:
         if events or counts:
             self._send_later(self.to_entry, Tokens(self.name, events, counts))
         t4 = time.perf_counter() if tracing else 0.0
+        notices: dict[str, list[Handoff]] = {}
         for req in finished:
-            self._finished(req)
+            self._finished(req, notices)
+        for peer, items in notices.items():
+            self._send_later(self.to_peer[peer], Peer(self.name, items))
         t5 = time.perf_counter() if tracing else 0.0
+        batches: dict[str, list[Handoff]] = {}  # one message per peer and step
         for req, dest in handoffs:
-            self._handoff(req, dest, now)
+            batches.setdefault(dest, []).append(self._handoff(req, dest, now))
+        for dest, items in batches.items():
+            self._send(self.to_peer[dest], Peer(self.name, items))
         if tracing:
             self._trace_stages(t0, {"forward": took, "route": t2 - t1, "commit": t3 - t2, "tokens_msg": t4 - t3,
                                     "finish": t5 - t4, "handoff": time.perf_counter() - t5})
@@ -380,15 +392,18 @@ class Subserver:
             top = out.top_logprobs[row] if out.top_logprobs is not None else None
         return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top)
 
-    def _finished(self, req: Req) -> None:
+    def _finished(self, req: Req, notices: dict[str, list[Handoff]]) -> None:
+        """Tell the entry (in the next step's overlap), and add a finish notice for each peer that
+        holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
         self.algorithm.finish(req)
         self._send_later(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
                                                  len(req.tokens), self.handoffs_of.pop(req.rid, 0)))
         for peer in self.known.pop(req.rid, {}):
-            self._send_later(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
+            notices.setdefault(peer, []).append(_finish_notice(req.rid))
 
-    def _handoff(self, req: Req, dest: str, now: float) -> None:
+    def _handoff(self, req: Req, dest: str, now: float) -> Handoff:
+        """Set req PENDING; its hand-off to `dest`, to send with the step's others."""
         if dest not in self.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
         known = self.known.setdefault(req.rid, {})
@@ -400,7 +415,7 @@ class Subserver:
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        self._send(self.to_peer[dest], Peer(self.name, peer, first, self.handoffs_of[req.rid]))
+        return Handoff(peer, first, self.handoffs_of[req.rid])
 
     def stats(self) -> Stats:
         eng = self.engine
@@ -427,6 +442,10 @@ class Subserver:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
+
+
+def _finish_notice(rid: str) -> Handoff:
+    return Handoff(PeerReq(rid=rid, suffix=[], loc=0, finished=True))
 
 
 def configure_process(model: ModelSpec) -> None:
