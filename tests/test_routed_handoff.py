@@ -172,6 +172,38 @@ def test_second_visit_computes_only_the_unseen_suffix(rig_factory):
     small.check_integrity()
 
 
+def test_one_peer_message_per_step_and_destination(rig_factory):
+    """A step's hand-offs to one peer travel in one Peer message, in row order."""
+    rig = rig_factory(1.0)  # every small-model token goes to the large model
+    a, b = prompts_of([5, 7], seed=21)
+    rig.add("A", a, seed=1, max_tokens=3)
+    rig.add("B", b, seed=2, max_tokens=3)
+    rig.step("small")  # prefills both; both hand off
+    msg = peer_msgs(rig.take_inbox("large"))
+    assert msg.sender == "small" and [i.req.rid for i in msg.items] == ["A", "B"]
+    assert all(i.first is not None and i.handoffs == 1 for i in msg.items)
+    rig.large._handle(msg)
+    finish_all(rig, ["A", "B"])
+
+
+def test_a_steps_messages_to_the_entry_go_out_during_the_next_step(rig_factory):
+    """Overlap: a step's Tokens wait, and go out while the next step runs, or before the loop waits."""
+    rig = rig_factory(0.0)  # no hand-offs
+    (prompt,) = prompts_of([6], seed=22)
+    n = len(prompt)
+    rig.add("A", prompt, seed=3, max_tokens=4)
+    rig.small._step()  # prefill: the token at n, its Tokens held back
+    rig.collect(50)
+    assert rig.small.outbox and not rig.tokens("A")
+    rig.small._step()  # the token at n goes out while this step runs; n + 1 is held back
+    rig.wait_entry(lambda: bool(rig.tokens("A")), "A's first token")
+    assert [pos for _, pos, _ in rig.tokens("A")] == [n] and len(rig.small.outbox) == 1
+    rig.small._drain(timeout_ms=1)  # about to wait: nothing stays unsent
+    assert not rig.small.outbox
+    rig.wait_entry(lambda: [pos for _, pos, _ in rig.tokens("A")] == [n, n + 1], "A's second token")
+    finish_all(rig, ["A"])
+
+
 def test_every_handoff_at_p1_sends_an_empty_suffix(rig_factory):
     """p = 1: the small model never commits, the large one writes every token; each revisit feeds just
     the large model's own last token (hand-off suffix empty) and its KV never restarts."""
