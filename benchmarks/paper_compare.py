@@ -8,6 +8,10 @@ give only a config and SmolLM2's tokenizer (real BPE, so CHAMP prompts are about
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper_compare.py --max-tokens 2048 --range-ratio 0.25
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper_compare.py --systems tokenrouter,standard \\
         --num-requests 8 --max-tokens 2048      # then --max-tokens 8192: the 4x output cap
+
+`--predict` adds, per concurrency, what the profile alone allows (issue 17's targets): the small
+model's N / t_S, the planner's continuous chain for the eager routed pair (B = 1, the profile's
+catch-up tokens, no runtime overhead) and the zero-wait bound N / (t_S + p t_L).
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import yaml
 
 from tokenrouter.bench.compare import SYSTEMS, compare
 from tokenrouter.bench.workloads import WORKLOADS
+from tokenrouter.engine.latency_model import LatencyProfile
+from tokenrouter.planner import Overheads, zero_wait_bound
+from tokenrouter.planner.continuous import solve_continuous
 from tokenrouter.training.default_model import cache_dir, ensure_smollm2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +66,18 @@ def group_yaml(folder: Path, profile: str, p: float, launch: str, kv_tokens: int
     return out
 
 
+def predictions(profile: LatencyProfile, p: float, concurrencies: list[int]) -> list[str]:
+    small, large = profile.models["small"], profile.models["large"]
+    lat_s, lat_l = (lambda b: small(b, b)), (lambda b: large(b, b))
+    t_s, t_l = Overheads(s_token=small.per_token, l_token=large.per_token).step_latencies(lat_s, lat_l, p)
+    lines = []
+    for n in concurrencies:
+        chain = solve_continuous(n, 1, p, t_s, t_l).throughput
+        lines.append(f"N={n}: small alone N/t_S {n / lat_s(n):.0f} tok/s; routed: continuous chain (B=1) "
+                     f"{chain:.0f} tok/s, zero-wait bound {zero_wait_bound(n, p, lat_s, lat_l):.0f} tok/s")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default=str(ROOT / "profiles" / "paper_qwen3_0.6b_32b_a100_separate.json"))
@@ -74,6 +93,7 @@ def main() -> int:
     ap.add_argument("--kv-cache-tokens", type=int, default=1 << 20, help="per model (pages are only counted)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="append the rows (JSONL) here")
+    ap.add_argument("--predict", action="store_true", help="print the profile's predictions too (see above)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="paper-compare-") as tmp:
@@ -81,6 +101,8 @@ def main() -> int:
                          Path(tmp) / "group.yaml")
         compare(str(cfg), [s.strip() for s in args.systems.split(",") if s.strip()], args.workload, "paper",
                 args.concurrency, args.num_requests, args.max_tokens, args.seed, args.out, args.range_ratio)
+    if args.predict:
+        print("\n".join(predictions(LatencyProfile.load(args.profile), args.p, args.concurrency)))
     return 0
 
 

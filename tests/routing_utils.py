@@ -16,7 +16,7 @@ import zmq
 from tokenrouter.engine.req import Req
 from tokenrouter.routing.bernoulli import hands_off
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.messages import Abort, AddReq, Finished, Peer, Tokens, Topology, decode, encode
+from tokenrouter.runtime.messages import Abort, AddReq, Finished, Handoff, Peer, Tokens, Topology, decode, encode
 from tokenrouter.runtime.subserver import Subserver
 from tokenrouter.sampling_params import SamplingParams
 
@@ -193,7 +193,9 @@ class Rig:
         return self.subs[name].engine.reqs.get(rid)
 
     def step(self, name: str) -> None:
+        """One step, its messages sent (the loop sends them during the next step or before it waits)."""
         self.subs[name]._step()
+        self.subs[name]._flush()
 
     def pump(self, done: Callable[[], bool], what: str, max_rounds: int = 2000, timeout: float = 30.0) -> None:
         """Run both subservers (drain, step) until done(); bounded in rounds and time."""
@@ -242,3 +244,9 @@ def peer_msgs(raw: bytes) -> Peer:
     msg = decode(raw)
     assert isinstance(msg, Peer), f"expected a Peer message, got {type(msg).__name__}"
     return msg
+
+
+def only(msg: Peer) -> Handoff:
+    """The one hand-off a Peer message carries (these tests hand off one request a step)."""
+    assert len(msg.items) == 1, f"expected one hand-off, got {len(msg.items)}"
+    return msg.items[0]

@@ -12,11 +12,11 @@ import math
 import pytest
 import torch
 from engine_utils import prompts_of
-from routing_utils import PAGE, Rig, build_pair, find_seed, handoff_draws, peer_msgs
+from routing_utils import PAGE, Rig, build_pair, find_seed, handoff_draws, only, peer_msgs
 
 from tokenrouter.engine.req import ReqStatus
 from tokenrouter.routing import PeerReq
-from tokenrouter.runtime.messages import FirstVisit, Peer, Tokens
+from tokenrouter.runtime.messages import FirstVisit, Handoff, Peer, Tokens
 from tokenrouter.sampling_params import SamplingParams
 
 
@@ -142,16 +142,17 @@ def test_second_visit_computes_only_the_unseen_suffix(rig_factory):
 
     # The hand-off carries only what the large model has not been sent: tokens n+1..n+3 from loc n+1.
     msg = peer_msgs(rig.take_inbox("large"))
-    assert msg.first is None and msg.sender == "small"
-    assert msg.req.loc == n + 1 and msg.req.suffix == s.tokens[n + 1:] and len(msg.req.suffix) == 3
+    item = only(msg)
+    assert item.first is None and msg.sender == "small"
+    assert item.req.loc == n + 1 and item.req.suffix == s.tokens[n + 1:] and len(item.req.suffix) == 3
     rig.large._handle(msg)
     assert lr.tokens == s.tokens and lr.status is ReqStatus.RUNNING
     # Unseen by the large model's KV: its own token at n (sampled, never fed) plus the suffix.
-    assert lr.kv_len == n and lr.extend_len == len(msg.req.suffix) + 1
+    assert lr.kv_len == n and lr.extend_len == len(item.req.suffix) + 1
     ext, before = lr.extended_tokens, large.stats.extended_tokens
     rig.step("large")
-    assert lr.extended_tokens - ext == len(msg.req.suffix) + 1
-    assert large.stats.extended_tokens - before == len(msg.req.suffix) + 1
+    assert lr.extended_tokens - ext == len(item.req.suffix) + 1
+    assert large.stats.extended_tokens - before == len(item.req.suffix) + 1
     assert lr.kv_len == n + 4 and len(lr.tokens) == n + 5
     finish_all(rig, ["A"])
 
@@ -171,6 +172,38 @@ def test_second_visit_computes_only_the_unseen_suffix(rig_factory):
     small.check_integrity()
 
 
+def test_one_peer_message_per_step_and_destination(rig_factory):
+    """A step's hand-offs to one peer travel in one Peer message, in row order."""
+    rig = rig_factory(1.0)  # every small-model token goes to the large model
+    a, b = prompts_of([5, 7], seed=21)
+    rig.add("A", a, seed=1, max_tokens=3)
+    rig.add("B", b, seed=2, max_tokens=3)
+    rig.step("small")  # prefills both; both hand off
+    msg = peer_msgs(rig.take_inbox("large"))
+    assert msg.sender == "small" and [i.req.rid for i in msg.items] == ["A", "B"]
+    assert all(i.first is not None and i.handoffs == 1 for i in msg.items)
+    rig.large._handle(msg)
+    finish_all(rig, ["A", "B"])
+
+
+def test_a_steps_messages_to_the_entry_go_out_during_the_next_step(rig_factory):
+    """Overlap: a step's Tokens wait, and go out while the next step runs, or before the loop waits."""
+    rig = rig_factory(0.0)  # no hand-offs
+    (prompt,) = prompts_of([6], seed=22)
+    n = len(prompt)
+    rig.add("A", prompt, seed=3, max_tokens=4)
+    rig.small._step()  # prefill: the token at n, its Tokens held back
+    rig.collect(50)
+    assert rig.small.outbox and not rig.tokens("A")
+    rig.small._step()  # the token at n goes out while this step runs; n + 1 is held back
+    rig.wait_entry(lambda: bool(rig.tokens("A")), "A's first token")
+    assert [pos for _, pos, _ in rig.tokens("A")] == [n] and len(rig.small.outbox) == 1
+    rig.small._drain(timeout_ms=1)  # about to wait: nothing stays unsent
+    assert not rig.small.outbox
+    rig.wait_entry(lambda: [pos for _, pos, _ in rig.tokens("A")] == [n, n + 1], "A's second token")
+    finish_all(rig, ["A"])
+
+
 def test_every_handoff_at_p1_sends_an_empty_suffix(rig_factory):
     """p = 1: the small model never commits, the large one writes every token; each revisit feeds just
     the large model's own last token (hand-off suffix empty) and its KV never restarts."""
@@ -183,11 +216,12 @@ def test_every_handoff_at_p1_sends_an_empty_suffix(rig_factory):
     for k in range(4):
         rig.step("small")
         msg = peer_msgs(rig.take_inbox("large"))
-        assert (msg.first is not None) == (k == 0)
+        item = only(msg)
+        assert (item.first is not None) == (k == 0)
         if k == 0:
-            assert msg.req.loc == 0 and msg.req.suffix == prompt
+            assert item.req.loc == 0 and item.req.suffix == prompt
         else:
-            assert msg.req.loc == n + k and msg.req.suffix == []
+            assert item.req.loc == n + k and item.req.suffix == []
         rig.large._handle(msg)
         lr = rig.req("large", "A")
         before = large.stats.extended_tokens
@@ -219,7 +253,7 @@ def test_abort_while_pending_at_the_peer(rig_factory, where):
         rig.step("large")
         assert rig.req("large", "A").status is ReqStatus.PENDING and rig.req("large", "A").pages
         held = rig.take_inbox("small")  # the hand-back, kept in flight until after the abort
-        assert peer_msgs(held).req.loc == len(prompt)
+        assert only(peer_msgs(held)).req.loc == len(prompt)
     assert rig.req("small", "A").status is ReqStatus.PENDING and rig.req("small", "A").pages
 
     rig.abort("A")
@@ -232,8 +266,8 @@ def test_abort_while_pending_at_the_peer(rig_factory, where):
     if held is not None:
         rig.small._handle(peer_msgs(held))
         rig.send("small", peer_msgs(held))
-    late_first = Peer("small", PeerReq(rid="A", suffix=list(prompt), loc=0),
-                      FirstVisit(len(prompt), SamplingParams(max_tokens=10, temperature=0.0), 3))
+    late_first = Peer("small", [Handoff(PeerReq(rid="A", suffix=list(prompt), loc=0),
+                                        FirstVisit(len(prompt), SamplingParams(max_tokens=10, temperature=0.0), 3))])
     rig.send("large", late_first)
     rig.settle()
     rig.assert_clean("small")
@@ -259,7 +293,7 @@ def test_abort_while_peer_req_in_flight(rig_factory, order):
     rig.drain_until("large", lambda: "A" in rig.large.aborted, "abort on large")
     if held is not None:
         msg = peer_msgs(held)
-        assert msg.first is not None and msg.req.suffix == prompt
+        assert only(msg).first is not None and only(msg).req.suffix == prompt
         rig.large._handle(msg)  # the PeerReq lands after the abort
         rig.send("large", msg)  # and once more, through the socket
     rig.settle()
@@ -395,12 +429,12 @@ def test_handback_before_the_end_rolls_the_copy_back(rig_factory, paths):
     assert a.status is ReqStatus.PENDING and len(a.tokens) == n + 6 and a.kv_len == n + 6
     cached = a.cached_len
     assert cached == (n - 1) // PAGE * PAGE and cached > 5, "A should hold a cached prefix"
-    assert peer_msgs(rig.take_inbox("large")).first is not None  # held off the large model
+    assert only(peer_msgs(rig.take_inbox("large"))).first is not None  # held off the large model
 
     def hand_back(loc: int, suffix: list[int]) -> tuple[list[int], int]:
         """Deliver a crafted hand-back; check the cut; return the expected tokens and the kept KV."""
         expected = a.tokens[:loc] + suffix
-        rig.small._handle(Peer("large", PeerReq(rid="A", suffix=suffix, loc=loc)))
+        rig.small._handle(Peer("large", [Handoff(PeerReq(rid="A", suffix=suffix, loc=loc))]))
         assert a.status is ReqStatus.RUNNING and a.tokens == expected
         assert a.kv_len <= loc, "KV past loc survived the cut"
         assert len(a.pages) == math.ceil(a.kv_len / PAGE)

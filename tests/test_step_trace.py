@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tokenrouter.engine.step_trace import ENV, Step, StepTraceWriter, read_trace, runtime_costs
+from tokenrouter.engine.step_trace import ENV, Step, StepTraceWriter, read_stages, read_trace, runtime_costs
 
 
 def test_trace_writer_and_reader(tmp_path, monkeypatch):
@@ -35,3 +35,23 @@ def test_runtime_costs_from_a_trace():
     assert costs.s_step_gap == pytest.approx(0.0025)
     assert costs.l_step_gap == pytest.approx(0.001)
     assert costs.handoff == pytest.approx(0.001) and costs.handoffs == 1  # b found L busy: queueing
+
+
+def test_stage_records_pair_with_the_step_before_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, str(tmp_path))
+    w = StepTraceWriter.from_env()
+    assert w.enabled
+    w.write(0, 1.0, 1.012, ["a", "b"], [1, 1])
+    w.write_stages(0, 0.999, {"forward": 0.0125, "route": 0.0001})
+    w.write_stages(-1, 1.02, {"reassembly": 0.0003, "tokens": 2})  # the entry's: no step
+    assert [s.rids for s in read_trace(str(tmp_path))] == [["a", "b"]]  # stage lines are not steps
+    recs = read_stages(str(tmp_path))
+    assert [r.model for r in recs] == [0, -1]
+    assert recs[0].step is not None and recs[0].step.rids == ["a", "b"] and recs[0].stages["route"] == 0.0001
+    assert recs[1].step is None and recs[1].stages["tokens"] == 2
+    assert [r.model for r in read_stages(str(tmp_path), start=1.01)] == [-1]
+    monkeypatch.delenv(ENV)
+    off = StepTraceWriter.from_env()
+    assert not off.enabled
+    off.write_stages(0, 0.0, {"route": 1.0})  # tracing off: nothing written
+    assert len(read_stages(str(tmp_path))) == 2

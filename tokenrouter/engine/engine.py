@@ -269,20 +269,22 @@ class Engine:
         return bool(self.reqs)
 
     # ---- the step ----------------------------------------------------------------------------
-    def forward_step(self) -> StepOutput | None:
+    def forward_step(self, overlap: Callable[[], None] | None = None) -> StepOutput | None:
         """Schedule and run one step; KV is committed, sampled tokens are not (see append_token).
-        None when nothing launched."""
+        None when nothing launched. `overlap` runs once while the model step is in flight (the
+        runner calls it after launching the step, before waiting for it): work that must touch
+        neither this batch nor the scheduler, such as sending the previous step's outputs."""
         batch = self.scheduler.schedule()
         if batch is None:
             return None
         if self.tp is None:
             try:
-                out = self.runner.run(batch.reqs, batch.extend_lens)
+                out = self._run(batch.reqs, batch.extend_lens, overlap)
             except Exception as e:
                 raise self._contain(batch.reqs, batch.extend_lens, e) from e
         else:
             try:
-                out = self.runner.run(batch.reqs, batch.extend_lens)
+                out = self._run(batch.reqs, batch.extend_lens, overlap)
             except BaseException as e:
                 self.tp.serving = False  # the ranks may be out of step now: shutdown kills, sends no STOP
                 dead = self.tp.dead_workers(wait=2.0)
@@ -294,6 +296,11 @@ class Engine:
         self.stats.extended_tokens += batch.num_tokens
         self.stats.sampled_tokens += len(out.token_ids)
         return out
+
+    def _run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None) -> StepOutput:
+        if overlap is None:
+            return self.runner.run(reqs, extend_lens)
+        return self.runner.run(reqs, extend_lens, overlap)
 
     def _contain(self, reqs: list[Req], extend_lens: list[int], cause: Exception) -> StepFailed:
         """Find the requests a failed step failed on by running each alone, and finish them with an

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -111,15 +112,20 @@ class InterferenceClock:
         self._shm = shared_memory.SharedMemory(name=shm_name) if shm_name else None
         self.flags = np.ndarray((64,), dtype=np.float64, buffer=self._shm.buf) if self._shm else None
 
-    def work(self, seconds: float) -> None:
+    def work(self, seconds: float, during: Callable[[], None] | None = None) -> None:
+        """`during` runs first, inside the step (as the host's work runs while a device computes);
+        its time counts as progress, and the step lasts longer only if it outlasts `seconds`."""
         flags = self.flags
         if flags is not None:
             flags[self.me] = 1.0
         try:
+            last = time.perf_counter()
+            if during is not None:
+                during()
             if flags is None or not self.alphas:
-                _sleep(seconds)
+                _sleep(seconds - (time.perf_counter() - last))
                 return
-            done, last = 0.0, time.perf_counter()
+            done = 0.0
             while done < seconds:
                 time.sleep(min(_TICK, max(seconds - done, 0.0)))
                 now = time.perf_counter()
@@ -173,10 +179,22 @@ class LatencyModelRunner:
         return cls(profile.models[name], cfg.vocab_size, set(cfg.eos_token_ids),
                    clock or InterferenceClock(0, {}, None))
 
-    def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
+    def run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None = None) -> StepOutput:
+        """The draws and `overlap` (see Engine.forward_step) run inside the step's latency, as a
+        device's sampling and the host's work during a device step do."""
+        outs: list[StepOutput] = []
+
+        def in_flight() -> None:
+            outs.append(self._draw(reqs, extend_lens))
+            if overlap is not None:
+                overlap()
+
         start = time.perf_counter()
-        self.clock.work(self.latency(len(reqs), sum(extend_lens)))
+        self.clock.work(self.latency(len(reqs), sum(extend_lens)), in_flight)
         self.trace.write(self.clock.me, start, time.perf_counter(), [r.rid for r in reqs], list(extend_lens))
+        return outs[0]
+
+    def _draw(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
         sampled = [r for r, n in zip(reqs, extend_lens) if r.kv_len + n == len(r.tokens)]
         if not sampled:
             return StepOutput([], [], None, None, None, None, None, None)

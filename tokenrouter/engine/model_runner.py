@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -100,14 +101,21 @@ class ModelRunner:
         return batch, sampled
 
     @torch.inference_mode()
-    def run(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:
+    def run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None = None) -> StepOutput:
+        """`overlap` runs once the forward is launched: on a GPU, while the device computes (the
+        kernels are queued asynchronously); on a CPU, after it."""
         if self.decode is not None and self.decode.accepts(reqs, extend_lens):
-            return self._sample(reqs, self.decode.run(reqs))
+            t = self.decode.run(reqs)
+            if overlap is not None:
+                overlap()
+            return self._sample(reqs, t)
         batch, sampled_idx = self.build_batch(reqs, extend_lens)
         if self.tp is not None:
             broadcast_batch(self.tp, batch)
         self.backend.plan(batch)
         hidden = self.model(batch, self.backend)
+        if overlap is not None:
+            overlap()
         if any(r.wants_prompt_logprobs for r in reqs):
             self._prompt_logprobs(reqs, extend_lens, hidden)
         sampled = [reqs[i] for i in sampled_idx]

@@ -163,19 +163,23 @@ class Scheduler:
     # ---- the step ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         """Pick this step's batch, allocating the pages it writes; None when nothing launches."""
-        ready = sum(r.status is ReqStatus.RUNNING for r in self.running) + len(self.waiting)
-        if not self.launch.should_launch(ready, self.num_active):
+        running = ReqStatus.RUNNING
+        runs = [r for r in self.running if r.status is running]
+        if not self.launch.should_launch(len(runs) + len(self.waiting), self.num_active):
             return None
         budget = self.cfg.chunked_prefill_size
+        p = self.cfg.page_size
         reqs: list[Req] = []
         lens: list[int] = []
-        # Running requests first, decodes before unfinished prefills, oldest first.
-        order = sorted((r for r in self.running if r.status is ReqStatus.RUNNING), key=lambda r: r.extend_len > 1)
+        # Running requests first, decodes before unfinished prefills, oldest first. A request whose
+        # pages already cover its extend (most decodes) skips _grow: this loop runs every step.
+        prefills = [r for r in runs if len(r.tokens) - r.kv_len > 1]
+        order = [r for r in runs if len(r.tokens) - r.kv_len <= 1] + prefills if prefills else runs
         for req in order:
-            if req.status is not ReqStatus.RUNNING or budget == 0:
+            if req.status is not running or budget == 0:
                 continue  # preempted by an earlier request of this loop, or out of budget
-            n = min(req.extend_len, budget)
-            if not self._grow(req, req.kv_len + n, protect=reqs):
+            n = min(len(req.tokens) - req.kv_len, budget)
+            if -(-(req.kv_len + n) // p) > len(req.pages) and not self._grow(req, req.kv_len + n, protect=reqs):
                 continue
             reqs.append(req)
             lens.append(n)

@@ -6,6 +6,11 @@ line to DIR/<pid>.jsonl: [model index, start, end, request ids, extend lengths],
 environment variable, because the subservers are spawned by the entry and inherit it, so tracing
 needs no change to the group config or the wire protocol.
 
+The runtime around the executor adds stage records to the same files (JSON objects, not lists):
+{"model": index, "start": t, "stages": {stage: seconds}}, one per step, written by the subserver
+after the step's runner line (-1 for the entry, per poll). `read_stages` pairs each with the model
+step before it in its file (benchmarks/runtime_stages.py turns them into a table).
+
 `runtime_costs` turns a trace of a two-model group into the figures the throughput model needs
 beyond the profile (see tokenrouter.planner.overheads): the gap between consecutive steps of each model
 when it had work (scheduling, routing, messaging: the per-step overhead), and the hand-off latency
@@ -36,13 +41,25 @@ class StepTraceWriter:
     def from_env(cls) -> StepTraceWriter:
         return cls(os.environ.get(ENV) or None)
 
+    @property
+    def enabled(self) -> bool:
+        return self.directory is not None
+
     def write(self, model: int, start: float, end: float, rids: list[str], extend_lens: list[int]) -> None:
-        if self.directory is None:
-            return
+        if self.directory is not None:
+            self._line(json.dumps([model, start, end, rids, extend_lens]))
+
+    def write_stages(self, model: int, start: float, stages: dict[str, float]) -> None:
+        """Seconds per stage of the runtime around one step (or one entry poll), when tracing."""
+        if self.directory is not None:
+            self._line(json.dumps({"model": model, "start": start, "stages": stages}))
+
+    def _line(self, line: str) -> None:
         if self._file is None:
+            assert self.directory is not None
             # line-buffered: a subserver killed at shutdown still leaves whole lines behind
             self._file = open(os.path.join(self.directory, f"{os.getpid()}.jsonl"), "a", buffering=1)
-        self._file.write(json.dumps([model, start, end, rids, extend_lens]) + "\n")
+        self._file.write(line + "\n")
 
 
 @dataclass
@@ -54,16 +71,41 @@ class Step:
     extend_lens: list[int]
 
 
+@dataclass
+class StageRecord:
+    model: int  # -1: the entry
+    start: float
+    stages: dict[str, float]  # seconds
+    step: Step | None  # the model step it surrounds (the subserver's records), else None
+
+
 def read_trace(directory: str, start: float = -np.inf, end: float = np.inf) -> list[Step]:
     """Every traced step that began in [start, end], sorted by start time."""
-    steps = []
+    steps = [s for s in _read(directory) if isinstance(s, Step) and start <= s.start <= end]
+    return sorted(steps, key=lambda s: s.start)
+
+
+def read_stages(directory: str, start: float = -np.inf, end: float = np.inf) -> list[StageRecord]:
+    """Every stage record that began in [start, end], sorted by start time."""
+    recs = [r for r in _read(directory) if isinstance(r, StageRecord) and start <= r.start <= end]
+    return sorted(recs, key=lambda r: r.start)
+
+
+def _read(directory: str) -> list[Step | StageRecord]:
+    out: list[Step | StageRecord] = []
     for path in glob.glob(os.path.join(directory, "*.jsonl")):
+        last: Step | None = None
         with open(path) as f:
             for line in f:
-                m, t0, t1, rids, lens = json.loads(line)
-                if start <= t0 <= end:
-                    steps.append(Step(m, t0, t1, rids, lens))
-    return sorted(steps, key=lambda s: s.start)
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    step = last if rec["model"] >= 0 else None
+                    out.append(StageRecord(rec["model"], rec["start"], rec["stages"], step))
+                    last = None
+                else:
+                    last = Step(*rec)
+                    out.append(last)
+    return out
 
 
 @dataclass

@@ -25,8 +25,9 @@ def load_tokenizer(path: str | Path) -> Any:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text chunks without ever cutting a multi-byte character.
 
-    Decodes a short window (from `prefix_offset`) so each call costs O(new tokens), and holds back
-    output while the window ends in an incomplete UTF-8 sequence (decoded as U+FFFD).
+    Decodes a short window (from `prefix_offset`) so each call costs O(new tokens), holds back
+    output while the window ends in an incomplete UTF-8 sequence (decoded as U+FFFD), and keeps only
+    the window's ids.
     """
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int]) -> None:
@@ -47,6 +48,8 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         new = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        # Keep only the window: ids before it are never decoded again.
+        del self.ids[:self.read_offset]
+        self.prefix_offset, self.read_offset = 0, len(self.ids)
         self.text += new
         return new

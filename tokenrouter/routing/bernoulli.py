@@ -8,6 +8,7 @@ geometric gaps between hand-offs.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokenrouter.engine.draws import uniform
@@ -18,11 +19,13 @@ from tokenrouter.routing.deferral import DeferToLarge
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 
 
-def hands_off(seeds: list[int], positions: list[int], p: float | torch.Tensor) -> torch.Tensor:
+def hands_off(seeds: list[int], positions: list[int], p: float | list[float]) -> torch.Tensor:
     """Which positions the second model writes: a pure function of (request seed, position), so the
     standard-serving baseline and the tests make the same draws as the router. `p`: one for all, or
-    one per position (float64, so a per-request p draws as the group's does)."""
-    return uniform(seeds, positions, _STREAM) < p
+    one per position (compared in float64, so a per-request p draws as the group's does). In numpy:
+    this runs on every step of the small model, where each torch operation costs microseconds."""
+    u = uniform(seeds, positions, _STREAM).numpy()
+    return torch.from_numpy(u < np.asarray(p, dtype=np.float64))
 
 
 class Bernoulli(DeferToLarge):
@@ -42,5 +45,6 @@ class Bernoulli(DeferToLarge):
 
     def defer(self, step: StepOutput) -> torch.Tensor:
         # The draw is for the position about to be written: len(tokens) before the token is committed.
+        params = self.params_of
         return hands_off([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs],
-                         self.request_values(step, "p", dtype=torch.float64))
+                         [params[r.rid]["p"] for r in step.reqs])

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
@@ -93,6 +94,7 @@ class Entry:
         self._stats: dict[str, Stats] = {}
         self._active_sent = 0
         self.planner: PlannerController | None = None
+        self.trace = StepTraceWriter.from_env()  # the entry's stage records (model -1), when tracing
         atexit.register(self.close)
         try:
             # Before the subservers: joiners are checked against the entry model's vocabulary.
@@ -237,8 +239,12 @@ class Entry:
 
     def _poll_once(self, timeout: float) -> list[TokenOut | Done]:
         events: list[TokenOut | Done] = []
-        for msg in self.pool.recv(timeout):
+        msgs = self.pool.recv(timeout)
+        t0 = time.perf_counter() if self.trace.enabled else 0.0
+        tokens = 0
+        for msg in msgs:
             if isinstance(msg, Tokens):
+                tokens += len(msg.items)
                 for wire, n in msg.handoffs.items():
                     req = self._by_wire.get(wire)
                     if req is not None:
@@ -270,6 +276,8 @@ class Entry:
             elif isinstance(msg, Stats):
                 self._stats[msg.model] = msg
             # Wake carries nothing: another thread sends it to cut a poll short.
+        if tokens and self.trace.enabled:
+            self.trace.write_stages(-1, t0, {"reassembly": time.perf_counter() - t0, "tokens": tokens})
         if self.planner is not None:
             table = self.planner.poll()
             if table is not None:

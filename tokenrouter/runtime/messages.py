@@ -68,13 +68,19 @@ class FirstVisit(msgspec.Struct):
     routing: dict[str, Any] = {}  # as AddReq.routing
 
 
-class Peer(msgspec.Struct, tag="peer"):
-    """Subserver -> subserver: a hand-off (or a finish notice when req.finished)."""
+class Handoff(msgspec.Struct, array_like=True):
+    """One request's hand-off (or its finish notice, when req.finished)."""
 
-    sender: str
     req: PeerReq
     first: FirstVisit | None = None
     handoffs: int = 0  # the request's hand-offs so far, this one included (travels with the request)
+
+
+class Peer(msgspec.Struct, tag="peer"):
+    """Subserver -> subserver: one step's hand-offs and finish notices for this peer, in order."""
+
+    sender: str
+    items: list[Handoff]
 
 
 class TokenEvent(msgspec.Struct, array_like=True):

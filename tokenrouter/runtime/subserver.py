@@ -26,6 +26,7 @@ from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, Threshol
 from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
+from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
@@ -36,6 +37,7 @@ from tokenrouter.runtime.messages import (
     AddReq,
     Finished,
     FirstVisit,
+    Handoff,
     Peer,
     PromptLogprobs,
     Ready,
@@ -110,6 +112,16 @@ class Subserver:
         self.pending_seconds = 0.0
         self.step_seconds_sum = 0.0
         self.step_buckets = [0] * (len(STEP_LATENCY_BUCKETS) + 1)
+        # Per-stage seconds of the runtime around each step, only while tracing (step_trace.py).
+        self.trace = StepTraceWriter.from_env()
+        self.index = group.names.index(spec.name)
+        self.drain_seconds = 0.0  # handling inbox messages since the last step record
+        self.overlap_seconds = 0.0  # work done while the last step ran
+        # Overlap (as SGLang's overlap scheduler, for the part that leaves the batch alone): a step's
+        # messages to the entry wait here and go out while the next step runs, and messages that
+        # arrive meanwhile are received and decoded then, and handled after it.
+        self.outbox: list[tuple[zmq.Socket, Any]] = []
+        self.received: list[Any] = []
 
     def _push(self, address: str, watch: bool = False) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PUSH)
@@ -123,6 +135,22 @@ class Subserver:
 
     def _send(self, sock: zmq.Socket, msg: Any) -> None:
         sock.send(encode(msg), zmq.NOBLOCK)
+
+    def _send_later(self, sock: zmq.Socket, msg: Any) -> None:
+        """Send during the next step (or before the loop next waits), after what is already queued."""
+        self.outbox.append((sock, msg))
+
+    def _flush(self) -> None:
+        outbox, self.outbox = self.outbox, []
+        for sock, msg in outbox:
+            self._send(sock, msg)
+
+    def _in_flight(self) -> None:
+        """Run by the executor while a step is in flight: it touches neither the batch nor the scheduler."""
+        t0 = time.perf_counter()
+        self._flush()
+        self._receive_ready()
+        self.overlap_seconds += time.perf_counter() - t0
 
     # ---- the loops -------------------------------------------------------------------------
     def run(self) -> None:
@@ -163,25 +191,34 @@ class Subserver:
             self.engine.check_integrity()
 
     def _drain(self, timeout_ms: int) -> None:
-        if not self.inbox.poll(timeout_ms):
+        if timeout_ms:
+            self._flush()  # about to wait: nothing may stay unsent meanwhile
+        if not self.received and not self.inbox.poll(timeout_ms):
             return
+        t0 = time.perf_counter() if self.trace.enabled else 0.0
+        self._receive_ready()
+        received, self.received = self.received, []
+        for msg in received:
+            try:
+                self._handle(msg)
+            except Exception:  # noqa: BLE001 - one request's message must not stop the model
+                rid = getattr(msg, "rid", None)
+                logger.exception("%s: handling %s of request %s failed", self.name, type(msg).__name__, rid)
+                if rid is not None:
+                    self._fail(rid)
+        if self.trace.enabled:
+            self.drain_seconds += time.perf_counter() - t0
+
+    def _receive_ready(self) -> None:
         while True:
             try:
                 data = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                msg = decode(data)
+                self.received.append(decode(data))
             except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
                 logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
-                continue
-            try:
-                self._handle(msg)
-            except Exception:  # noqa: BLE001 - one request's message must not stop the model
-                rid = msg.req.rid if isinstance(msg, Peer) else getattr(msg, "rid", None)
-                logger.exception("%s: handling %s of request %s failed", self.name, type(msg).__name__, rid)
-                if rid is not None:
-                    self._fail(rid)
 
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddReq):
@@ -196,7 +233,12 @@ class Subserver:
                 self.prompt_logprobs_due.add(msg.rid)
             self.algorithm.start(req, msg.routing)
         elif isinstance(msg, Peer):
-            self._receive(msg)
+            for item in msg.items:
+                try:
+                    self._receive(msg.sender, item)
+                except Exception:  # noqa: BLE001 - one request's hand-off must not stop the others
+                    logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
+                    self._fail(item.req.rid)
         elif isinstance(msg, Abort):
             self.aborted[msg.rid] = time.monotonic()
             self._drop(msg.rid)
@@ -239,15 +281,15 @@ class Subserver:
         if since is not None:
             self.pending_seconds += time.monotonic() - since
 
-    def _receive(self, msg: Peer) -> None:
+    def _receive(self, sender: str, msg: Handoff) -> None:
         peer = self.algorithm.receive(msg.req, self.name)
         rid = peer.rid
         if peer.finished:
             # Pass the finish on to the other peers that hold a copy: with three or more models the
             # finisher may never have exchanged this request with them (m1 -> m2 -> m3 finishes).
             for other in self.known.get(rid, {}):
-                if other != msg.sender:
-                    self._send(self.to_peer[other], Peer(self.name, PeerReq(rid=rid, suffix=[], loc=0, finished=True)))
+                if other != sender:
+                    self._send(self.to_peer[other], Peer(self.name, [_finish_notice(rid)]))
             self._drop(rid)
             return
         if rid in self.aborted:
@@ -273,15 +315,16 @@ class Subserver:
             since = self.pending_since.pop(rid, None)
             if since is not None:
                 self.pending_seconds += time.monotonic() - since
-        self.known[rid][msg.sender] = peer.loc + len(peer.suffix)
+        self.known[rid][sender] = peer.loc + len(peer.suffix)
         self.handoffs_of[rid] = msg.handoffs
 
     def _step(self) -> bool:
         """Run one step if the scheduler launches one; whether it did."""
         eng = self.engine
+        tracing = self.trace.enabled
         t0 = time.perf_counter()
         try:
-            out = eng.forward_step()
+            out = eng.forward_step(self._in_flight)
         except StepFailed as e:
             logger.error("%s: %s", self.name, e, exc_info=e.__cause__)
             for req in e.failed:
@@ -289,10 +332,13 @@ class Subserver:
             return True
         if out is None:
             return False
-        took = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        took = t1 - t0
         self.step_seconds_sum += took
         self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
         if not out.reqs:
+            if tracing:
+                self._trace_stages(t0, {"forward": took})
             return True
         try:
             routes = self.algorithm.route(self.name, out)
@@ -306,7 +352,8 @@ class Subserver:
         for req in out.reqs:
             if req.rid in self.prompt_logprobs_due:
                 self.prompt_logprobs_due.discard(req.rid)
-                self._send(self.to_entry, PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
+                self._send_later(self.to_entry, PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
+        t2 = time.perf_counter() if tracing else 0.0
         now = time.monotonic()
         events: list[TokenEvent] = []
         finished: list[Req] = []
@@ -320,17 +367,34 @@ class Subserver:
                     continue
             if route.dest is not None:
                 handoffs.append((req, route.dest))
+        t3 = time.perf_counter() if tracing else 0.0
         self.tokens_written += len(events)
         counts = {req.rid: self.handoffs_of.get(req.rid, 0) + 1 for req, _ in handoffs}
         self.handoffs_of.update(counts)
         # Tokens first: the entry must see a request's last token no later than its finish.
         if events or counts:
-            self._send(self.to_entry, Tokens(self.name, events, counts))
+            self._send_later(self.to_entry, Tokens(self.name, events, counts))
+        t4 = time.perf_counter() if tracing else 0.0
+        notices: dict[str, list[Handoff]] = {}
         for req in finished:
-            self._finished(req)
+            self._finished(req, notices)
+        for peer, items in notices.items():
+            self._send_later(self.to_peer[peer], Peer(self.name, items))
+        t5 = time.perf_counter() if tracing else 0.0
+        batches: dict[str, list[Handoff]] = {}  # one message per peer and step
         for req, dest in handoffs:
-            self._handoff(req, dest, now)
+            batches.setdefault(dest, []).append(self._handoff(req, dest, now))
+        for dest, items in batches.items():
+            self._send(self.to_peer[dest], Peer(self.name, items))
+        if tracing:
+            self._trace_stages(t0, {"forward": took, "route": t2 - t1, "commit": t3 - t2, "tokens_msg": t4 - t3,
+                                    "finish": t5 - t4, "handoff": time.perf_counter() - t5})
         return True
+
+    def _trace_stages(self, start: float, stages: dict[str, float]) -> None:
+        stages["drain"], self.drain_seconds = self.drain_seconds, 0.0
+        stages["overlap"], self.overlap_seconds = self.overlap_seconds, 0.0
+        self.trace.write_stages(self.index, start, stages)
 
     @staticmethod
     def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
@@ -340,15 +404,18 @@ class Subserver:
             top = out.top_logprobs[row] if out.top_logprobs is not None else None
         return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top)
 
-    def _finished(self, req: Req) -> None:
+    def _finished(self, req: Req, notices: dict[str, list[Handoff]]) -> None:
+        """Tell the entry (in the next step's overlap), and add a finish notice for each peer that
+        holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
         self.algorithm.finish(req)
-        self._send(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop, len(req.tokens),
-                                           self.handoffs_of.pop(req.rid, 0)))
+        self._send_later(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
+                                                 len(req.tokens), self.handoffs_of.pop(req.rid, 0)))
         for peer in self.known.pop(req.rid, {}):
-            self._send(self.to_peer[peer], Peer(self.name, PeerReq(rid=req.rid, suffix=[], loc=0, finished=True)))
+            notices.setdefault(peer, []).append(_finish_notice(req.rid))
 
-    def _handoff(self, req: Req, dest: str, now: float) -> None:
+    def _handoff(self, req: Req, dest: str, now: float) -> Handoff:
+        """Set req PENDING; its hand-off to `dest`, to send with the step's others."""
         if dest not in self.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
         known = self.known.setdefault(req.rid, {})
@@ -363,7 +430,7 @@ class Subserver:
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        self._send(self.to_peer[dest], Peer(self.name, peer, first, self.handoffs_of[req.rid]))
+        return Handoff(peer, first, self.handoffs_of[req.rid])
 
     def stats(self) -> Stats:
         eng = self.engine
@@ -378,6 +445,7 @@ class Subserver:
         )
 
     def close(self) -> None:
+        self._flush()
         if self.engine.tp is not None:
             self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
         if self.clock is not None:
@@ -389,6 +457,10 @@ class Subserver:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
+
+
+def _finish_notice(rid: str) -> Handoff:
+    return Handoff(PeerReq(rid=rid, suffix=[], loc=0, finished=True))
 
 
 def configure_process(model: ModelSpec) -> None:
