@@ -16,7 +16,7 @@ import torch
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
-from tokenrouter.engine.profiler import _decode_seconds
+from tokenrouter.engine.profiler import decode_seconds
 from tokenrouter.training.prepare import prepare
 
 
@@ -32,12 +32,12 @@ def main() -> None:
     engines = {name: Engine(EngineConfig(model_path=str(path), max_running_requests=max(args.batch_sizes)))
                for name, path in (("small", pair.small), ("large", pair.large))}
     for e in engines.values():
-        _decode_seconds(e, 1, args.context, 3)  # warm-up
+        decode_seconds(e, 1, args.context, 3)  # warm-up
     times: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.rounds):
         for b in args.batch_sizes:
             for name, e in engines.items():
-                times.setdefault((name, b), []).append(_decode_seconds(e, b, args.context, args.steps))
+                times.setdefault((name, b), []).append(decode_seconds(e, b, args.context, args.steps))
     print("| batch | small (ms/step) | large (ms/step) | small / large |")
     print("|---|---|---|---|")
     for b in args.batch_sizes:

@@ -11,20 +11,14 @@ from typing import Any
 
 import httpx
 import pytest
-from server_utils import ServerProcess
+from server_utils import ServerProcess, pair_group_yaml
 
 MODEL = "pair"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, pair_paths):
-    cfg = tmp_path_factory.mktemp("clients") / "group.yaml"
-    cfg.write_text(
-        f"name: {MODEL}\n"
-        "models:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.5}\n")
+    cfg = pair_group_yaml(tmp_path_factory.mktemp("clients"), pair_paths, p=0.5, name=MODEL)
     srv = ServerProcess(["--config", str(cfg), "--grace-period", "5"])
     yield srv
     srv.stop()

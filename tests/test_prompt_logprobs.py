@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 import torch
-from server_utils import ServerProcess
+from server_utils import ServerProcess, pair_group_yaml
 
 from tokenrouter.llm import LLM
 from tokenrouter.routed_llm import RoutedLLM
@@ -74,13 +74,7 @@ def test_routed_llm(pair_paths, hf_small):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, pair_paths):
-    cfg = tmp_path_factory.mktemp("srv") / "group.yaml"
-    cfg.write_text(
-        f"name: {MODEL}\n"
-        "models:\n"
-        f"  - {{name: small, path: {pair_paths['small']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        f"  - {{name: large, path: {pair_paths['large']}, kv_cache_tokens: 4096, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.5}\n")
+    cfg = pair_group_yaml(tmp_path_factory.mktemp("srv"), pair_paths, p=0.5, name=MODEL)
     srv = ServerProcess(["--config", str(cfg), "--grace-period", "5"])
     yield srv
     srv.stop()

@@ -20,7 +20,7 @@ from tokenrouter.sampling_params import SamplingParams
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
-def _decode_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
+def decode_seconds(engine: Engine, batch: int, context: int, steps: int) -> float:
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -64,10 +64,10 @@ def measure_engine(engine: Engine, batches: tuple[int, ...] = DEFAULT_BATCHES, c
     batches = tuple(b for b in batches if b <= engine.cfg.max_running_requests) or (1,)
     longest = min(prefill[1], engine.max_model_len - 2)
     prefill = (min(prefill[0], longest // 2), longest)
-    _decode_seconds(engine, 1, context, 3)  # warm-up: first allocations are slow
+    decode_seconds(engine, 1, context, 3)  # warm-up: first allocations are slow
     table = []
     for b in tqdm(batches, desc="decode steps", unit="batch", disable=not progress):
-        table.append((b, _decode_seconds(engine, b, context, steps)))
+        table.append((b, decode_seconds(engine, b, context, steps)))
     short, long = (_prefill_seconds(engine, n) for n in prefill)
     per_token = max(0.0, (long - short) / (prefill[1] - prefill[0]))
     engine.stats = EngineStats()

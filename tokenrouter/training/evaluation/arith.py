@@ -15,7 +15,8 @@ import random
 import re
 from collections.abc import Callable
 from fractions import Fraction
-from typing import NamedTuple
+
+from tokenrouter.training import champ
 
 HELD_OUT = 300  # held-out problems (a 95% Wilson interval at accuracy 0.5 is +-0.056 wide)
 TRAIN = 200
@@ -25,20 +26,15 @@ NAMES = ("Tom", "Sara", "Ali", "Mia", "Ken", "Lea", "Omar", "Ana")
 ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "coins", "cards")
 
 
-class Problem(NamedTuple):
-    ident: str
-    text: str
-    answer: str  # an integer
-    solutions: tuple[str, ...]  # one worked solution (the query-level baseline's reference)
+class Problem(champ.Problem):
+    """A CHAMP-shaped problem (the eval reads both alike) with this task's instruction; the answer is
+    an integer and `solutions` holds one worked solution (the query-level baseline's reference)."""
+
+    __slots__ = ()
 
     @property
     def prompt(self) -> str:
         return INSTRUCTION + self.text
-
-
-class Split(NamedTuple):
-    train: list[Problem]
-    held_out: list[Problem]
 
 
 def _bare(op: str, lo: int, hi: int) -> Callable[[random.Random], tuple[str, int, str]]:
@@ -100,13 +96,13 @@ def generate(count: int, seed: int = 0) -> list[Problem]:
     return out
 
 
-def split(held_out: int = HELD_OUT, train: int = TRAIN, seed: int = 0) -> Split:
+def split(held_out: int = HELD_OUT, train: int = TRAIN, seed: int = 0) -> champ.Split:
     """Disjoint training and held-out problems (distinct questions), deterministic given the seed."""
     if held_out < 1 or train < 0:
         raise ValueError(f"held_out must be at least 1 and train at least 0, got {held_out} and {train}")
     problems = generate(held_out + train, seed)
     random.Random(seed + 1).shuffle(problems)
-    return Split(problems[held_out:], problems[:held_out])
+    return champ.Split(problems[held_out:], problems[:held_out])
 
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
