@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import tempfile
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import psutil
 import yaml
 
 from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
@@ -34,12 +38,42 @@ from tokenrouter.runtime.group_config import GroupConfig
 SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync")
 
 
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds so far of each named process (0 for one that is gone)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+        except psutil.Error:
+            out[name] = 0.0
+    return out
+
+
+def _model_processes(srv: ServerProcess) -> list[int]:
+    """The server's subservers (its children other than multiprocessing's resource tracker)."""
+    pids = []
+    for pid in srv.subservers:
+        with contextlib.suppress(psutil.Error):
+            if "resource_tracker" not in " ".join(psutil.Process(pid).cmdline()):
+                pids.append(pid)
+    return pids
+
+
 def _http_run(url: str, model: str, prompts: list[str], caps: list[int], c: int, n: int,
-              seed: int) -> dict[str, Any]:
+              seed: int, processes: dict[str, int] | None = None) -> dict[str, Any]:
+    """One closed-loop run. With `processes` (name -> pid of the system's processes), the summary's
+    `cpu_share` gives each one's CPU seconds over the run's wall time, and the load generator's (this
+    process): where the cores went, which on a small machine bounds what a system can show."""
     cfg = BenchConfig(base_url=url, model=model, prompts=prompts, max_tokens=max(caps), num_requests=n,
                       concurrency=c, warmup=min(2, n), seed=seed, output_lens=caps)
+    pids = {**(processes or {}), "load generator": os.getpid()}
+    before, wall = _cpu_seconds(pids), time.perf_counter()
     summary, results = asyncio.run(run_bench(cfg, progress=False))
-    return {**summary, "requests": [asdict(r) for r in results]}  # `bench plot` draws latency CDFs from these
+    wall, after = time.perf_counter() - wall, _cpu_seconds(pids)
+    cpu = {name: round((after[name] - before[name]) / wall, 3) for name in pids}
+    return {**summary, "cpu_share": cpu,
+            "requests": [asdict(r) for r in results]}  # `bench plot` draws latency CDFs from these
 
 
 def _on_latency_executor(group: GroupConfig) -> bool:
@@ -109,6 +143,9 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
         print(f"  {system:12s} concurrency {summary['concurrency']:3d}: {summary['output_throughput']:9.1f} tok/s  "
               f"per-user {summary['per_user_tok_s']['mean'] or 0:7.1f} tok/s  {summary.get('tokens_per_model', {})}",
               flush=True)
+        if summary.get("cpu_share"):
+            print("    CPU share (CPU seconds / wall seconds): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in summary["cpu_share"].items()), flush=True)
 
     with tempfile.TemporaryDirectory(prefix="tokenrouter-compare-") as tmp:
         for system in systems:
@@ -160,8 +197,9 @@ def _alone_or_routed(group: GroupConfig, config: str, system: str, tmp: str, pro
             if eng.kv_cache_tokens:
                 args += ["--kv-cache-tokens", str(eng.kv_cache_tokens)]
     srv = ServerProcess(args + ["--log-level", "warning"], startup_timeout=600)
+    processes = {"server": srv.proc.pid, **{f"subserver {i}": pid for i, pid in enumerate(_model_processes(srv))}}
     try:
-        return [_http_run(srv.url, model, prompts, caps, c, num_requests, seed) for c in concurrencies]
+        return [_http_run(srv.url, model, prompts, caps, c, num_requests, seed, processes) for c in concurrencies]
     finally:
         srv.stop()
 
