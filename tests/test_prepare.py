@@ -188,8 +188,8 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
         assert cal["reached"] == (abs(cal["share"] - cal["target_share"]) <= cal["tolerance"])
         assert all(p["tokens"] > 0 for p in cal["probes"])
     group = GroupConfig.from_yaml(pair.config)
-    assert group.names == ["small", "large"] and group.algorithm == "r2r"
-    assert group.algorithm_params["threshold"] == meta["thresholds"]["r2r"]
+    assert group.names == ["small", "large"] and group.algorithm == "citer"
+    assert group.algorithm_params["tau"] == meta["thresholds"]["citer"]
 
     # cached: a second call trains nothing
     def refuse(*a, **k):
