@@ -203,9 +203,10 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
 
 def test_served_default_pair_answers_a_chat_request(quick_pair):
     cache, _ = quick_pair
-    # Threshold 0 sends every token to SmolLM2: the quick student writes noise, the large model real text.
+    # The pair's R2R router at threshold 0 sends every token to SmolLM2 (the default serves CITER): the
+    # quick student writes noise, the large model real text.
     env = {"TOKENROUTER_CACHE": str(cache), "TOKENROUTER_PREPARE": "quick"}
-    srv = ServerProcess(["--algorithm-param", "threshold=0"], env=env, startup_timeout=180)
+    srv = ServerProcess(["--algorithm", "r2r", "--algorithm-param", "threshold=0"], env=env, startup_timeout=180)
     try:
         r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
             "model": "default", "max_tokens": 12, "temperature": 0,
