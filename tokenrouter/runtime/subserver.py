@@ -348,11 +348,13 @@ class Subserver:
                 self._fail(req.rid)
             return True
         # A request samples once its prefill is done, so its prompt logprobs are complete: they go out
-        # before any of its tokens.
-        for req in out.reqs:
-            if req.rid in self.prompt_logprobs_due:
-                self.prompt_logprobs_due.discard(req.rid)
-                self._send_later(self.to_entry, PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
+        # before any of its tokens. Most steps have none due: no per-request pass then.
+        if self.prompt_logprobs_due:
+            for req in out.reqs:
+                if req.rid in self.prompt_logprobs_due:
+                    self.prompt_logprobs_due.discard(req.rid)
+                    self._send_later(self.to_entry,
+                                     PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
         t2 = time.perf_counter() if tracing else 0.0
         now = time.monotonic()
         events: list[TokenEvent] = []
