@@ -28,7 +28,15 @@ from tokenrouter.training.evaluation.metrics import (
 )
 from tokenrouter.training.evaluation.query_router import QueryRouter, route_top
 from tokenrouter.training.evaluation.run import EvalSettings, evaluate, table, threshold_grid, write
-from tokenrouter.training.student import StudentSettings, chat_texts, projected_embedding
+from tokenrouter.training.student import (
+    StudentSettings,
+    carve,
+    chat_texts,
+    distillation_loss,
+    initial_student,
+    projected_embedding,
+    teacher_targets,
+)
 
 
 def _smollm2_or_skip() -> None:
@@ -97,7 +105,51 @@ def test_student_settings_are_checked():
         StudentSettings(hidden_size=100, num_heads=3).validate()
     with pytest.raises(ValueError, match="kd_weight"):
         StudentSettings(kd_weight=1.5).validate()
+    with pytest.raises(ValueError, match="layers"):
+        StudentSettings(layers=(2, 1)).validate()
+    with pytest.raises(ValueError, match="train_sequences"):
+        StudentSettings(train_sequences=2, batch_size=4).validate()
     assert StudentSettings().key() == StudentSettings().key() != StudentSettings(steps=1).key()
+    assert StudentSettings().key() != StudentSettings(layers=(0, 1, 29)).key()
+
+
+def test_carved_student_is_the_teachers_layers(hf_models):
+    teacher = hf_models["llama"]
+    n = teacher.config.num_hidden_layers
+    ids = torch.tensor([[3, 9, 4, 17, 5]])
+    whole = carve(teacher, list(range(n)))
+    with torch.no_grad():
+        assert torch.equal(whole(ids).logits, teacher(ids).logits)
+    last = carve(teacher, [n - 1])
+    assert last.config.num_hidden_layers == 1 and teacher.config.num_hidden_layers == n
+    for (name, got), want in zip(last.model.layers[0].state_dict().items(),
+                                 teacher.model.layers[n - 1].state_dict().values()):
+        assert torch.equal(got, want), name
+    assert torch.equal(last.lm_head.weight, teacher.lm_head.weight)
+    with pytest.raises(ValueError, match="layers"):
+        carve(teacher, [n])
+    # the carved student trains its layers and norms; the embedding (tied to the head) stays the teacher's
+    student = initial_student(teacher, StudentSettings(layers=(0,)))
+    assert not student.get_input_embeddings().weight.requires_grad
+    assert all(p.requires_grad for name, p in student.named_parameters() if "embed" not in name)
+
+
+def test_teacher_targets_are_the_top_k_and_the_loss_reads_them(hf_models):
+    teacher = hf_models["llama"]
+    seqs = torch.randint(0, teacher.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    t = teacher_targets(teacher, seqs, 5, bf16=False, progress=False, batch_size=2)
+    with torch.no_grad():
+        full = torch.log_softmax(teacher(seqs[:, :-1]).logits.float(), -1)
+    assert t.logprobs.shape == t.tokens.shape == (3, 8, 5)
+    assert torch.allclose(t.logprobs, full.topk(5, -1).values, atol=1e-5)
+    assert torch.equal(full.gather(-1, t.tokens.long()), t.logprobs)
+    # a student equal to the teacher: its KD term is the entropy of the renormalised top-k distribution,
+    # its data term the teacher's own CE
+    loss, ce = distillation_loss(teacher, seqs, t, 1.0, bf16=False)
+    p = torch.softmax(t.logprobs, -1)
+    assert math.isclose(float(loss.detach()), float(-(p * t.logprobs).sum(-1).mean()), rel_tol=1e-5)
+    assert math.isclose(ce, float(torch.nn.functional.nll_loss(full.flatten(0, 1), seqs[:, 1:].reshape(-1))),
+                        rel_tol=1e-5)
 
 
 def test_answers_and_agreement():

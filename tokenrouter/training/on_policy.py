@@ -108,10 +108,10 @@ def _sigmoid(x: float) -> float:
 
 def search(measure: Callable[[float], Probe], start: float, rises: bool, s: SearchSettings,
            log: Callable[[str], None] = lambda m: None, name: str = "threshold") -> tuple[Probe, list[Probe]]:
-    """Bisection in logit space for the value whose measured share is within s.tolerance of the
-    target: first steps from `start` (doubling) until the target is bracketed, then halves the
-    bracket. `measure(value)` runs the group at `value`. Returns the probe closest to the target
-    and every probe in order."""
+    """Bracketing search in logit space for the value whose measured share is within s.tolerance of
+    the target: first steps from `start` (doubling) until the target is bracketed, then narrows the
+    bracket (interpolation, with bisection whenever it stalls). `measure(value)` runs the group at
+    `value`. Returns the probe closest to the target and every probe in order."""
     # u: the search coordinate, oriented so that the share rises with it
     sign = 1.0 if rises else -1.0
     probes: list[Probe] = []
@@ -147,15 +147,25 @@ def search(measure: Callable[[float], Probe], start: float, rises: bool, s: Sear
             lo = (u, p)
         else:
             hi = (u, p)
-    # bisect the honest bracket: each end keeps a measured share on its side of the target
+    # narrow the honest bracket: each end keeps a measured share on its side of the target. The next
+    # probe interpolates the two ends' shares linearly in logit space (a smooth share is found in a
+    # few probes); after a probe that did not halve the bracket (a jump, noise) the next one bisects,
+    # so the bracket at least halves every two probes.
+    interpolate = True
     while (not done(p) and lo is not None and hi is not None and len(probes) < s.max_iterations
            and abs(hi[0] - lo[0]) > LOGIT_RESOLUTION):
-        u = (lo[0] + hi[0]) / 2
+        width = abs(hi[0] - lo[0])
+        frac = 0.5
+        if interpolate:
+            frac = (s.target_share - lo[1].share) / (hi[1].share - lo[1].share)
+            frac = min(max(frac, 0.05), 0.95)
+        u = lo[0] + frac * (hi[0] - lo[0])
         p = probe(u)
         if p.share < s.target_share:
             lo = (u, p)
         else:
             hi = (u, p)
+        interpolate = not interpolate or abs(hi[0] - lo[0]) <= width / 2
     best = min(probes, key=lambda q: abs(q.share - s.target_share))
     if not done(best) and lo is not None and hi is not None:
         log(f"calibrate: the share jumps from {lo[1].share:.3f} at {name} {lo[1].value:.6g} to {hi[1].share:.3f} at "
@@ -179,17 +189,23 @@ def calibrate_group(group: GroupConfig, prompts: list[list[int]], s: SearchSetti
 
     if not prompts:
         raise ValueError("calibrate: no prompts")
+    from tqdm import tqdm
+
     param, rises = knob(group.algorithm)
     params = SamplingParams(temperature=0.0, max_tokens=s.max_tokens)
-    with RoutedLLM(group) as llm:
+    # the bar counts probes against the most the search may run: its ETA is an upper bound
+    with RoutedLLM(group) as llm, tqdm(total=s.max_iterations, desc=f"calibrate {group.algorithm}", unit="probe",
+                                       disable=not progress) as bar:
         algo = llm.entry.algorithm
         first = float(algo.request_defaults()[param] if start is None else start)
 
         def measure(value: float) -> Probe:
             t0 = time.monotonic()
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=progress,
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False,
                                 routing={param: value})
             share, tokens = large_share([o.outputs[0].token_models or [] for o in outs], algo.entry_model)
+            bar.update(1)
+            bar.set_postfix(share=f"{share:.3f}")
             return Probe(value, share, tokens, time.monotonic() - t0)
 
         best, probes = search(measure, first, rises, s, log, param)

@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,11 +94,11 @@ class PrepareSettings:
 
 
 def quick_settings() -> PrepareSettings:
-    """A reduced setting for CI and smoke tests: a one-layer student, a few steps, few labels. The pair
-    is real (SmolLM2 and a student of it) but the student has barely trained."""
+    """A reduced setting for CI and smoke tests: a student carved from one layer, a few steps, few
+    labels. The pair is real (SmolLM2 and a student of it) but the student has barely trained."""
     return PrepareSettings(
-        student=StudentSettings(hidden_size=64, num_layers=1, intermediate_size=128, num_heads=1, num_kv_heads=1,
-                                seq_len=64, batch_size=2, steps=4, held_out_sequences=2),
+        student=StudentSettings(layers=(0,), seq_len=64, batch_size=2, steps=4, train_sequences=4,
+                                held_out_sequences=2),
         router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2,
         calibration_prompts=2, calibration_max_tokens=8, calibration_iterations=3, calibrated_kinds=("citer",))
 
@@ -170,6 +171,25 @@ def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return dict(algo)
 
 
+class _Stages:
+    """Numbers the stages a preparation runs (the ones not cached) and says each one's time."""
+
+    def __init__(self, todo: list[str], say: Any) -> None:
+        self.todo, self.say, self.started = todo, say, time.monotonic()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if name not in self.todo:  # cached
+            yield
+            return
+        number = self.todo.index(name) + 1
+        self.say(f"[{number}/{len(self.todo)}] {name}")
+        t0 = time.monotonic()
+        yield
+        self.say(f"[{number}/{len(self.todo)}] {name}: {time.monotonic() - t0:.0f} s "
+                 f"({time.monotonic() - self.started:.0f} s since the start)")
+
+
 @contextlib.contextmanager
 def preparation_lock(folder: Path) -> Iterator[None]:
     """Held while the pair in `folder` (the cache) is made: two first runs at once (two servers, or a
@@ -215,37 +235,54 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
         return PreparedPair(folder, Path(meta["large"]), Path(meta["small"]),
                             {k: Path(v) for k, v in meta["routers"].items()})
 
-    say("tokenrouter prepare: making the default pair (once; cached in " f"{cache_dir()})")
-    large = ensure_smollm2(progress)
-    if not (small / "student.json").is_file():
-        say(f"training the small model ({s.student.steps} steps of distillation from {large.name})")
-        train_student(large, small, s.student, progress=progress)
+    large_dir = cache_dir() / "models" / SMOLLM2_NAME
+    calibration_files = {k: calibration_path(s, k) for k in s.calibrated_kinds}
+    todo = ([f"convert {SMOLLM2_NAME}"] if not (large_dir / "config.json").is_file() else []) \
+        + (["train the small model"] if not (small / "student.json").is_file() else []) \
+        + [f"train the {k} router" for k in ROUTER_KINDS if not (routers[k] / "router.json").is_file()] \
+        + [f"calibrate the {k} router on-policy" for k, f in calibration_files.items() if not f.is_file()]
+    say(f"tokenrouter prepare: making the default pair (once; cached in {cache_dir()}): {len(todo)} stages, "
+        "each with a progress bar and its ETA")
+    stage = _Stages(todo, say)
+
+    with stage(f"convert {SMOLLM2_NAME}"):
+        large = ensure_smollm2(progress)
+    with stage("train the small model"):
+        if not (small / "student.json").is_file():
+            how = (f"carved from layers {list(s.student.layers)} of {large.name}" if s.student.layers
+                   else "from scratch")
+            say(f"the small model: {how}; the teacher reads {s.student.train_sequences} sequences, then "
+                f"{s.student.steps} steps of distillation")
+            train_student(large, small, s.student, progress=progress)
     student_meta = json.loads((small / "student.json").read_text())
 
     tok = AutoTokenizer.from_pretrained(str(large))
     corpus_thresholds: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     for kind in ROUTER_KINDS:
-        if not (routers[kind] / "router.json").is_file():
-            say(f"training the {kind} router")
-            routers[kind].parent.mkdir(parents=True, exist_ok=True)
-            tmp = routers[kind].with_name(f".{routers[kind].name}-building")
-            shutil.rmtree(tmp, ignore_errors=True)
-            train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
-                         seq_len=s.router_seq_len,
-                         max_tokens=s.label_tokens(kind), epochs=s.router_epochs,
-                         continuation=s.continuation, continuation_batch_size=s.continuation_rows,
-                         target_share=s.target_large_share, device="cpu",
-                         progress=progress)
-            shutil.rmtree(routers[kind], ignore_errors=True)
-            tmp.rename(routers[kind])
+        with stage(f"train the {kind} router"):
+            if not (routers[kind] / "router.json").is_file():
+                routers[kind].parent.mkdir(parents=True, exist_ok=True)
+                tmp = routers[kind].with_name(f".{routers[kind].name}-building")
+                shutil.rmtree(tmp, ignore_errors=True)
+                train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
+                             seq_len=s.router_seq_len,
+                             max_tokens=s.label_tokens(kind), epochs=s.router_epochs,
+                             continuation=s.continuation, continuation_batch_size=s.continuation_rows,
+                             target_share=s.target_large_share, device="cpu",
+                             progress=progress)
+                shutil.rmtree(routers[kind], ignore_errors=True)
+                tmp.rename(routers[kind])
         meta = json.loads((routers[kind] / "router.json").read_text())
         corpus_thresholds[kind] = float(meta["threshold"])
         metrics[kind] = meta["metrics"]
 
     prompts = chat_prompts(tok, calibration_problems(s))
-    calibrations = {kind: calibrated(s, kind, small, large, routers[kind], corpus_thresholds[kind], prompts,
-                                     say, progress) for kind in s.calibrated_kinds}
+    calibrations = {}
+    for kind in s.calibrated_kinds:
+        with stage(f"calibrate the {kind} router on-policy"):
+            calibrations[kind] = calibrated(s, kind, small, large, routers[kind], corpus_thresholds[kind], prompts,
+                                            say, progress)
     thresholds = {kind: calibrations[kind]["value"] if kind in calibrations else corpus_thresholds[kind]
                   for kind in ROUTER_KINDS}
 
@@ -267,13 +304,17 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     return PreparedPair(folder, large, small, routers)
 
 
+def calibration_path(s: PrepareSettings, kind: str) -> Path:
+    return cache_dir() / "calibrations" / f"{kind}-{s.calibration_key(kind)}.json"
+
+
 def calibrated(s: PrepareSettings, kind: str, small: Path, large: Path, router: Path, start: float,
                prompts: list[list[int]], say: Any, progress: bool) -> dict[str, Any]:
     """Router `kind`'s on-policy calibration (OnPolicyCalibration.to_dict()), cached under its key. A
     target the search does not reach is kept at the closest share measured, and said."""
     from tokenrouter.runtime.group_config import GroupConfig
 
-    path = cache_dir() / "calibrations" / f"{kind}-{s.calibration_key(kind)}.json"
+    path = calibration_path(s, kind)
     if path.is_file():
         return dict(json.loads(path.read_text()))
     say(f"calibrating the {kind} router on-policy: {len(prompts)} training prompts, target large share "

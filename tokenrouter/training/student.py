@@ -1,19 +1,28 @@
-"""Train the small model of a routed pair: a narrow, shallow Llama that shares the large model's
-tokenizer, distilled from the large model on chat-formatted CHAMP solutions.
+"""Train the small model of a routed pair, distilled from the large model (the teacher) on
+chat-formatted CHAMP solutions; it shares the teacher's tokenizer.
 
-A decode step of a 135M-parameter model on CPU is dominated by reading its weights, so the student
-is sized by parameter count: its own narrow embedding (tied to its LM head, as in the teacher) and a
-few layers. Two things make minutes of CPU enough to get real text out of it:
-- the embedding starts as the teacher's, projected onto the teacher embedding's top principal
-  directions, so tokens begin with the teacher's geometry instead of noise;
-- the loss is the teacher's full next-token distribution (KL) mixed with the data's cross-entropy:
-  every position teaches ~49k numbers, not one.
-Deterministic given the seed (single-threaded CPU kernels are; multi-threaded reductions may differ
-in the last bits).
+By default the student is **carved** from the teacher: a few of its layers (the first ones and the
+last) at full width, with its embedding, final norm and tied LM head, then healed by distillation.
+Carved untrained, such a model is useless (held-out CE 20-60); healed for a few minutes it is far
+ahead of a narrow model trained from scratch on the same tokens, because everything it keeps (the
+vocabulary geometry, the head that reads the teacher's last hidden space, the layers' own functions)
+would cost the scratch model most of its budget to learn (docs/QUALITY.md, benchmarks/student_recipes.py).
+With `layers=()` the student is the earlier recipe's narrow Llama trained from scratch, its own
+embedding starting as the teacher's projected onto its top principal directions.
+
+Training reads the teacher once: its top-k next-token log-probabilities at every training position
+are computed first and kept (the teacher's forward costs more than the student's step), and the loss
+is the cross-entropy to that renormalised top-k distribution mixed with the data's cross-entropy.
+The embedding (and so the tied head) stays frozen. Where the CPU multiplies bfloat16 natively
+(AVX512-BF16 or AMX) both passes run under bfloat16 autocast, about twice as fast; the weights and
+the optimiser stay float32.
+Deterministic given the seed on one machine (single-threaded CPU kernels are; multi-threaded
+reductions and different CPUs may differ in the last bits).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -25,7 +34,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +50,10 @@ class StudentSettings:
     """The student's shape and its training run (prepare's flags map onto these)."""
 
     seed: int = 0
+    # The teacher's layers the student is carved from, in order (4 of SmolLM2's 30: a decode step
+    # costs 0.27 of SmolLM2's in our engine). Empty: a narrow Llama from scratch, shaped by the five
+    # fields below (which a carved student ignores).
+    layers: tuple[int, ...] = (0, 1, 2, 29)
     hidden_size: int = 256
     num_layers: int = 6
     intermediate_size: int = 768
@@ -48,22 +61,36 @@ class StudentSettings:
     num_kv_heads: int = 2
     seq_len: int = 256
     batch_size: int = 4  # sequences per step
-    steps: int = 200
+    steps: int = 150
+    train_sequences: int = 600  # distinct training sequences (the teacher reads each once); steps cycle over them
     lr: float = 3e-3
     warmup: int = 10
-    kd_weight: float = 0.5  # share of the loss from the teacher's distribution (the rest: data CE)
+    kd_weight: float = 0.8  # share of the loss from the teacher's distribution (the rest: data CE)
+    top_k: int = 32  # teacher log-probabilities kept per position (SmolLM2's top 32 hold ~96% of its mass)
+    bf16: bool | None = None  # bfloat16 autocast; None: where the CPU multiplies bfloat16 natively
     held_out_sequences: int = 16  # from held-out problems, for the reported metrics
 
     def validate(self) -> None:
         for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "seq_len",
-                     "batch_size", "steps"):
+                     "batch_size", "steps", "train_sequences", "top_k", "held_out_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"student {name} must be at least 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"student hidden_size {self.hidden_size} must divide into num_heads {self.num_heads}, "
                              f"and num_heads into num_kv_heads {self.num_kv_heads}")
+        if any(i < 0 for i in self.layers) or list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(f"student layers must be distinct non-negative teacher layer indices in increasing "
+                             f"order, got {list(self.layers)}")
+        if self.train_sequences < self.batch_size:
+            raise ValueError(f"student train_sequences ({self.train_sequences}) must be at least batch_size "
+                             f"({self.batch_size})")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
+
+    def uses_bf16(self) -> bool:
+        if self.bf16 is not None:
+            return self.bf16
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
     def key(self) -> str:
         """A short stable name for the cache (changes whenever any setting does)."""
@@ -131,22 +158,72 @@ def _lr(step: int, s: StudentSettings) -> float:
     return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def _loss(student: Any, teacher: Any, batch: torch.Tensor, kd_weight: float) -> tuple[torch.Tensor, float, float]:
-    """(loss, data CE, KL to the teacher) over every next-token position of the batch."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = student(inputs).logits.float()
-    logp = F.log_softmax(logits, dim=-1).flatten(0, 1)
-    ce = F.nll_loss(logp, targets.reshape(-1))
-    if kd_weight == 0.0:  # plain language modelling: skip the teacher's forward, most of a step's cost
-        return ce, float(ce.detach()), float("nan")
-    with torch.no_grad():
-        t_logp = F.log_softmax(teacher(inputs).logits.float(), dim=-1).flatten(0, 1)
-    kl = F.kl_div(logp, t_logp, log_target=True, reduction="batchmean")
-    return kd_weight * kl + (1 - kd_weight) * ce, float(ce.detach()), float(kl.detach())
+class TeacherTargets(NamedTuple):
+    """The teacher's top-k next-token log-probabilities at every position of the training sequences."""
+
+    logprobs: torch.Tensor  # [sequences, seq_len, k] float32, descending
+    tokens: torch.Tensor  # [sequences, seq_len, k] int32
 
 
 @torch.no_grad()
-def _held_out(student: Any, teacher: Any, seqs: torch.Tensor) -> dict[str, float]:
+def teacher_targets(teacher: Any, seqs: torch.Tensor, k: int, bf16: bool, progress: bool,
+                    batch_size: int = 8) -> TeacherTargets:
+    """One teacher pass over `seqs` ([n, seq_len + 1] token ids: inputs and next tokens)."""
+    from tqdm import tqdm
+
+    vals, toks = [], []
+    with tqdm(total=len(seqs), desc="teacher top-k", unit="seq", disable=not progress) as bar:
+        for rows in seqs.split(batch_size):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = teacher(rows[:, :-1]).logits
+            v, i = F.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            vals.append(v)
+            toks.append(i.int())
+            bar.update(len(rows))
+    return TeacherTargets(torch.cat(vals), torch.cat(toks))
+
+
+def carve(teacher: Any, layers: Sequence[int]) -> Any:
+    """A model of the teacher's class made of the teacher's `layers` (in order), with its embedding,
+    final norm and head: the carved student before healing."""
+    n = teacher.config.num_hidden_layers
+    if not layers or max(layers) >= n:
+        raise ValueError(f"student layers {list(layers)} must be indices of the teacher's {n} layers")
+    cfg = copy.deepcopy(teacher.config)
+    cfg.num_hidden_layers = len(layers)
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    student = type(teacher)(cfg)
+    new_index = {old: new for new, old in enumerate(layers)}
+    state = {}
+    for name, value in teacher.state_dict().items():
+        if name.startswith("model.layers."):
+            old, rest = name[len("model.layers."):].split(".", 1)
+            if int(old) not in new_index:
+                continue
+            name = f"model.layers.{new_index[int(old)]}.{rest}"
+        state[name] = value
+    student.load_state_dict(state)
+    return student
+
+
+def distillation_loss(student: Any, batch: torch.Tensor, target: TeacherTargets, kd_weight: float,
+          bf16: bool) -> tuple[torch.Tensor, float]:
+    """(loss, data CE): kd_weight x cross-entropy to the teacher's renormalised top-k distribution +
+    (1 - kd_weight) x the data's cross-entropy, over every next-token position of the batch."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = student(inputs).logits
+    logp = F.log_softmax(logits.float(), dim=-1)
+    ce = F.nll_loss(logp.flatten(0, 1), targets.reshape(-1))
+    p_teacher = F.softmax(target.logprobs, dim=-1)  # renormalised over the top k
+    kd = -(p_teacher * logp.gather(-1, target.tokens.long())).sum(-1).mean()
+    return kd_weight * kd + (1 - kd_weight) * ce, float(ce.detach())
+
+
+@torch.no_grad()
+def held_out_metrics(student: Any, teacher: Any, seqs: torch.Tensor) -> dict[str, float]:
+    """Per-token CE of both models on held-out sequences and KL(teacher || student), float32."""
     ce_s = ce_t = kl = 0.0
     for row in seqs.split(4):
         inputs, targets = row[:, :-1], row[:, 1:].reshape(-1)
@@ -159,12 +236,32 @@ def _held_out(student: Any, teacher: Any, seqs: torch.Tensor) -> dict[str, float
     return {"student_ce": ce_s / n, "teacher_ce": ce_t / n, "kl_to_teacher": kl / n, "positions": n}
 
 
+def initial_student(teacher: Any, s: StudentSettings) -> Any:
+    """The student before training: carved from the teacher (s.layers), or a narrow Llama whose
+    embedding is the teacher's projected (no layers)."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(s.seed)
+    if s.layers:
+        student = carve(teacher, s.layers)
+    else:
+        student = LlamaForCausalLM(student_config(teacher.config, s))
+        with torch.no_grad():
+            student.get_input_embeddings().weight.copy_(
+                projected_embedding(teacher.get_input_embeddings().weight, s.hidden_size))
+    for p in student.parameters():
+        p.requires_grad_(True)
+    if s.layers:  # the teacher's vocabulary geometry (and, tied, its head) is kept as it is
+        student.get_input_embeddings().weight.requires_grad_(False)
+    return student
+
+
 def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSettings | None = None,
                   progress: bool = True) -> Path:
     """Train the student for the teacher at `teacher_path` and write it, with the teacher's tokenizer
     files and a student.json of settings and metrics, atomically to `out`. Returns `out`."""
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     s = settings or StudentSettings()
     s.validate()
@@ -175,36 +272,39 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_path), dtype=torch.float32).eval()
     for p in teacher.parameters():
         p.requires_grad_(False)
+    bf16 = s.uses_bf16()
 
     data = champ.split(seed=s.seed)
-    train = pack(tok, chat_texts(tok, data.train, s.seed), s.seq_len + 1, s.steps * s.batch_size)
+    train = pack(tok, chat_texts(tok, data.train, s.seed), s.seq_len + 1, s.train_sequences)
     held = pack(tok, chat_texts(tok, data.held_out, s.seed), s.seq_len + 1, s.held_out_sequences)
 
-    torch.manual_seed(s.seed)
-    student = LlamaForCausalLM(student_config(teacher.config, s))
-    with torch.no_grad():
-        student.get_input_embeddings().weight.copy_(
-            projected_embedding(teacher.get_input_embeddings().weight, s.hidden_size))
-    opt = torch.optim.AdamW(student.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95))
-
     start = time.monotonic()
+    targets = teacher_targets(teacher, train, s.top_k, bf16, progress)
+    teacher_seconds = time.monotonic() - start
+    student = initial_student(teacher, s)
+    params = [p for p in student.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=0.01, betas=(0.9, 0.95))
+
     history = []
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(s.seed))
+    student.train()
     bar = tqdm(range(s.steps), desc="train small model", unit="step", disable=not progress)
     for step in bar:
         for g in opt.param_groups:
             g["lr"] = _lr(step, s)
-        batch = train[step * s.batch_size:(step + 1) * s.batch_size]
-        loss, ce, kl = _loss(student, teacher, batch, s.kd_weight)
+        rows = order[torch.arange(step * s.batch_size, (step + 1) * s.batch_size) % len(train)]
+        batch_targets = TeacherTargets(targets.logprobs[rows], targets.tokens[rows])
+        loss, ce = distillation_loss(student, train[rows], batch_targets, s.kd_weight, bf16)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        bar.set_postfix(ce=f"{ce:.2f}", kl=f"{kl:.2f}")
+        bar.set_postfix(ce=f"{ce:.2f}")
         if step % 10 == 0 or step == s.steps - 1:
-            history.append({"step": step, "ce": round(ce, 4), "kl": round(kl, 4)})
+            history.append({"step": step, "ce": round(ce, 4), "loss": round(float(loss.detach()), 4)})
     seconds = time.monotonic() - start
     student.eval()
-    metrics = _held_out(student, teacher, held)
+    metrics = held_out_metrics(student, teacher, held)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".student-", dir=out.parent))
@@ -213,9 +313,10 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
         for name in TOKENIZER_FILES:
             if (teacher_path / name).is_file():
                 shutil.copy2(teacher_path / name, tmp / name)
-        meta = {"settings": dataclasses.asdict(s), "teacher": str(teacher_path.resolve()),
+        meta = {"settings": dataclasses.asdict(s), "teacher": str(teacher_path.resolve()), "bf16": bf16,
                 "parameters": sum(p.numel() for p in student.parameters()),
-                "train_tokens": s.steps * s.batch_size * s.seq_len, "train_seconds": round(seconds, 1),
+                "train_tokens": s.train_sequences * s.seq_len, "steps_tokens": s.steps * s.batch_size * s.seq_len,
+                "teacher_seconds": round(teacher_seconds, 1), "train_seconds": round(seconds, 1),
                 "torch_threads": torch.get_num_threads(), "held_out": metrics, "history": history}
         (tmp / "student.json").write_text(json.dumps(meta, indent=1))
         if out.exists():

@@ -53,7 +53,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="the reduced CI setting: a barely trained one-layer student and small routers")
+                   help="the reduced CI setting: a barely trained student carved from one layer, small routers")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: every core)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
