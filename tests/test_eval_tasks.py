@@ -8,8 +8,7 @@ import re
 
 import pytest
 
-from tokenrouter.training import champ
-from tokenrouter.training.evaluation import arith
+from tokenrouter.training import arith, champ
 from tokenrouter.training.evaluation.metrics import is_correct, wilson
 from tokenrouter.training.evaluation.tasks import task
 

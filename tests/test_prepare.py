@@ -17,7 +17,7 @@ import torch
 from server_utils import ServerProcess
 
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.training import champ
+from tokenrouter.training import arith, champ
 from tokenrouter.training.evaluation.metrics import (
     AnswerScore,
     Totals,
@@ -92,12 +92,17 @@ def test_calibration_settings_recalibrate_without_retraining():
     # the target share is in both: the routers' corpus calibration aims at it too
     assert base.router_key("r2r") != PrepareSettings(target_large_share=0.3).router_key("r2r")
     # calibration prompts are training problems, the last ones: never held-out, never the query baseline's
-    split = champ.split(seed=base.student.seed)
     ids = {p.ident for p in calibration_problems(base)}
-    assert len(ids) == base.calibration_prompts and not ids & {p.ident for p in split.held_out}
-    assert not ids & {p.ident for p in split.train[:EvalSettings().query_train_problems]}
+    assert len(ids) == base.calibration_prompts + base.calibration_arith_prompts
+    for split in (champ.split(seed=base.student.seed), arith.split(seed=base.student.seed)):
+        assert not ids & {p.ident for p in split.held_out}
+        assert not ids & {p.ident for p in split.train[:EvalSettings().query_train_problems]}
+        assert ids & {p.ident for p in split.train}
+    assert len(calibration_problems(PrepareSettings(calibration_arith_prompts=0))) == base.calibration_prompts
     with pytest.raises(ValueError, match="calibration_prompts"):
         calibration_problems(PrepareSettings(calibration_prompts=0))
+    with pytest.raises(ValueError, match="calibration_arith_prompts"):
+        calibration_problems(PrepareSettings(calibration_arith_prompts=-1))
 
 
 def test_student_settings_are_checked():

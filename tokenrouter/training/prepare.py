@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tokenrouter.training import champ
+from tokenrouter.training import arith, champ
 from tokenrouter.training.champ import chat_prompts
 from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
 from tokenrouter.training.gguf_convert import smollm2_gguf_path
@@ -55,7 +55,10 @@ class PrepareSettings:
     # answered greedily with calibration_max_tokens tokens each. The routers' corpus calibration (the
     # search's starting point) aims at the same share.
     target_large_share: float = 0.2
-    calibration_prompts: int = 32  # the last training problems (the query-level baseline fits on the first)
+    calibration_prompts: int = 32  # the last CHAMP training problems (the query-level baseline fits on the first)
+    # and the last training problems of the arithmetic task (the eval's other task: the routers' scores,
+    # and so the share at a threshold, differ between the two kinds of text)
+    calibration_arith_prompts: int = 16
     calibration_max_tokens: int = 96  # as `tokenrouter eval` answers
     calibration_tolerance: float = 0.025
     calibration_iterations: int = 8  # probes per router, each answering every calibration prompt
@@ -85,6 +88,7 @@ class PrepareSettings:
         """The on-policy calibration of router `kind`: its router and the search's settings (changing
         these re-calibrates without retraining the router)."""
         return settings_key({"router": self.router_key(kind), "prompts": self.calibration_prompts,
+                             "arith_prompts": self.calibration_arith_prompts,
                              "max_tokens": self.calibration_max_tokens, "target": self.target_large_share,
                              "tolerance": self.calibration_tolerance, "iterations": self.calibration_iterations})
 
@@ -100,7 +104,8 @@ def quick_settings() -> PrepareSettings:
         student=StudentSettings(layers=(0,), seq_len=64, batch_size=2, steps=4, train_sequences=4,
                                 held_out_sequences=2),
         router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2,
-        calibration_prompts=2, calibration_max_tokens=8, calibration_iterations=3, calibrated_kinds=("citer",))
+        calibration_prompts=2, calibration_arith_prompts=1, calibration_max_tokens=8, calibration_iterations=3,
+        calibrated_kinds=("citer",))
 
 
 def settings_for(quick: bool = False) -> PrepareSettings:
@@ -127,12 +132,17 @@ def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
 
 
 def calibration_problems(s: PrepareSettings) -> list[champ.Problem]:
-    """The training problems whose prompts calibrate the served thresholds: the last ones of the
-    split (the eval's query-level baseline fits on the first; held-out problems are never used)."""
+    """The training problems whose prompts calibrate the served thresholds: the last ones of the CHAMP
+    split and of the arithmetic split (the eval's query-level baseline fits on the first ones;
+    held-out problems are never used)."""
     train = champ.split(seed=s.student.seed).train
+    arith_train = arith.split(seed=s.student.seed).train
     if not 1 <= s.calibration_prompts <= len(train):
         raise ValueError(f"calibration_prompts must be between 1 and {len(train)}, got {s.calibration_prompts}")
-    return train[-s.calibration_prompts:]
+    if not 0 <= s.calibration_arith_prompts <= len(arith_train):
+        raise ValueError(f"calibration_arith_prompts must be between 0 and {len(arith_train)}, "
+                         f"got {s.calibration_arith_prompts}")
+    return train[-s.calibration_prompts:] + arith_train[len(arith_train) - s.calibration_arith_prompts:]
 
 
 def shifted(threshold: float, offset: float) -> float:

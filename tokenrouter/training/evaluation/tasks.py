@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from tokenrouter.training import champ
-from tokenrouter.training.evaluation import arith
+from tokenrouter.training import arith, champ
 from tokenrouter.training.evaluation.metrics import is_correct
 
 
