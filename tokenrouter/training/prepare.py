@@ -45,7 +45,7 @@ THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
 class PrepareSettings:
     student: StudentSettings = field(default_factory=StudentSettings)
     router_tokens: int = 24_000  # corpus tokens labelled per router (CITER, Co-LLM)
-    r2r_tokens: int = 8_000  # R2R labels cost continuations at every differing position: fewer tokens
+    r2r_tokens: int = 6_000  # R2R labels cost continuations at every differing position: fewer tokens
     router_seq_len: int = 256
     router_epochs: int = 30
     continuation: int = 4  # R2R labels: greedy tokens compared after each differing position
@@ -55,7 +55,7 @@ class PrepareSettings:
     # answered greedily with calibration_max_tokens tokens each. The routers' corpus calibration (the
     # search's starting point) aims at the same share.
     target_large_share: float = 0.2
-    calibration_prompts: int = 32  # the last CHAMP training problems (the query-level baseline fits on the first)
+    calibration_prompts: int = 24  # the last CHAMP training problems (the query-level baseline fits on the first)
     # and the last training problems of the arithmetic task (the eval's other task: the routers' scores,
     # and so the share at a threshold, differ between the two kinds of text)
     calibration_arith_prompts: int = 16
