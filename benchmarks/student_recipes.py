@@ -30,8 +30,8 @@ from tokenrouter.training.student import StudentSettings, train_student
 RECIPES = {
     # the earlier default's shape (hidden 256, 6 layers, own embedding from the teacher's top principal directions)
     "scratch": StudentSettings(layers=()),
-    "carve3": StudentSettings(layers=(0, 1, 29)),
-    "carve4": StudentSettings(),  # the default: SmolLM2's layers 0, 1, 2 and 29
+    "carve3": StudentSettings(),  # the default: SmolLM2's layers 0, 1 and 29
+    "carve4": StudentSettings(layers=(0, 1, 2, 29)),
 }
 
 

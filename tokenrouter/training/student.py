@@ -1,7 +1,7 @@
 """Train the small model of a routed pair, distilled from the large model (the teacher) on
 chat-formatted CHAMP solutions; it shares the teacher's tokenizer.
 
-By default the student is **carved** from the teacher: a few of its layers (the first ones and the
+By default the student is **carved** from the teacher: a few of its layers (the first two and the
 last) at full width, with its embedding, final norm and tied LM head, then healed by distillation.
 Carved untrained, such a model is useless (held-out CE 20-60); healed for a few minutes it is far
 ahead of a narrow model trained from scratch on the same tokens, because everything it keeps (the
@@ -50,10 +50,10 @@ class StudentSettings:
     """The student's shape and its training run (prepare's flags map onto these)."""
 
     seed: int = 0
-    # The teacher's layers the student is carved from, in order (4 of SmolLM2's 30: a decode step
-    # costs 0.27 of SmolLM2's in our engine). Empty: a narrow Llama from scratch, shaped by the five
-    # fields below (which a carved student ignores).
-    layers: tuple[int, ...] = (0, 1, 2, 29)
+    # The teacher's layers the student is carved from, in order (3 of SmolLM2's 30: a decode step costs
+    # about a quarter of SmolLM2's in our engine; docs/QUALITY.md). Empty: a narrow Llama from scratch,
+    # shaped by the five fields below (which a carved student ignores).
+    layers: tuple[int, ...] = (0, 1, 29)
     hidden_size: int = 256
     num_layers: int = 6
     intermediate_size: int = 768
