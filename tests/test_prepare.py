@@ -82,27 +82,42 @@ def test_projected_embedding_keeps_the_top_directions():
     assert torch.corrcoef(torch.stack([d_full, d_proj]))[0, 1] > 0.95
 
 
-def test_calibration_settings_recalibrate_without_retraining():
-    from tokenrouter.training.prepare import PrepareSettings, calibration_problems
+def test_operating_point_settings_reselect_without_retraining():
+    from tokenrouter.training.prepare import PrepareSettings, answered_problems, selection_problems, split_answers
 
-    base, other = PrepareSettings(), PrepareSettings(calibration_prompts=8, calibration_tolerance=0.01)
+    base, other = PrepareSettings(), PrepareSettings(selection_problems=32, max_share=0.3)
     for kind in ("citer", "r2r", "co_llm"):
-        assert base.router_key(kind) == other.router_key(kind)
-        assert base.calibration_key(kind) != other.calibration_key(kind) and base.key() != other.key()
-    # the target share is in both: the routers' corpus calibration aims at it too
-    assert base.router_key("r2r") != PrepareSettings(target_large_share=0.3).router_key("r2r")
-    # calibration prompts are training problems, the last ones: never held-out, never the query baseline's
-    ids = {p.ident for p in calibration_problems(base)}
-    assert len(ids) == base.calibration_prompts + base.calibration_arith_prompts
-    for split in (champ.split(seed=base.student.seed), arith.split(seed=base.student.seed)):
-        assert not ids & {p.ident for p in split.held_out}
-        assert not ids & {p.ident for p in split.train[:EvalSettings().query_train_problems]}
-        assert ids & {p.ident for p in split.train}
-    assert len(calibration_problems(PrepareSettings(calibration_arith_prompts=0))) == base.calibration_prompts
-    with pytest.raises(ValueError, match="calibration_prompts"):
-        calibration_problems(PrepareSettings(calibration_prompts=0))
-    with pytest.raises(ValueError, match="calibration_arith_prompts"):
-        calibration_problems(PrepareSettings(calibration_arith_prompts=-1))
+        assert base.router_key(kind) == other.router_key(kind) and base.key() != other.key()
+    # the routers read the large model's answers: more answers retrain them
+    assert base.router_key("r2r") != PrepareSettings(arith_answers=1000).router_key("r2r")
+    assert base.answers_key() != PrepareSettings(champ_answers=40).answers_key()
+    # validation problems are training problems, the last ones: never held-out, never the query baseline's,
+    # never answered for training
+    ids = {p.ident for p in selection_problems(base)}
+    split = arith.split(seed=base.student.seed)
+    assert len(ids) == base.selection_problems and ids <= {p.ident for p in split.train}
+    assert not ids & {p.ident for p in split.train[:EvalSettings().query_train_problems]}
+    answered = answered_problems(base)
+    texts = {p.text for p in answered["arith"]}
+    assert len(answered["arith"]) == base.arith_answers and len(answered["champ"]) == base.champ_answers
+    assert not texts & {p.text for p in split.held_out} and not texts & {p.text for p in split.train}
+    assert not {p.ident for p in answered["champ"]} & {p.ident for p in champ.split(seed=base.student.seed).held_out}
+    for bad, match in (({"router_arith_answers": 900}, "leave answers"), ({"max_share": 0.0}, "max_share"),
+                       ({"selected_kinds": ("x",)}, "selected_kinds"), ({"selection_offsets": ()}, "offsets")):
+        with pytest.raises(ValueError, match=match):
+            PrepareSettings(**bad)
+
+
+def test_answers_split_between_the_student_and_the_routers():
+    from tokenrouter.training.large_answers import Exchange
+    from tokenrouter.training.prepare import PrepareSettings, split_answers
+
+    s = PrepareSettings(arith_answers=5, router_arith_answers=2, champ_answers=3, router_champ_answers=1)
+    ex = [Exchange("arith", [i], [i], str(i)) for i in range(5)] + [Exchange("champ", [i], [i], "") for i in range(3)]
+    student, routers = split_answers(s, ex)
+    assert [(e.task, e.prompt) for e in student] == [("arith", [0]), ("arith", [1]), ("arith", [2]),
+                                                      ("champ", [0]), ("champ", [1])]
+    assert [(e.task, e.prompt) for e in routers] == [("arith", [3]), ("arith", [4]), ("champ", [2])]
 
 
 def test_student_settings_are_checked():
@@ -229,23 +244,25 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
     meta = pair.meta()
     assert meta["student"]["held_out"]["student_ce"] > meta["student"]["held_out"]["teacher_ce"]
     s = prepare.quick_settings()
+    assert meta["answers"]["student"] + meta["answers"]["routers"] == s.arith_answers + s.champ_answers
+    assert meta["student"]["held_out"]["answer_tokens"] > 0  # measured on the routers' answers
     for kind in prepare.ROUTER_KINDS:
         router = json.loads((pair.routers[kind] / "router.json").read_text())
         assert router["pair"]["small"]["path"] == str(pair.small.resolve())
         assert meta["corpus_thresholds"][kind] == router["threshold"]
-        if kind not in s.calibrated_kinds:  # the quick pair calibrates the served router only
-            assert meta["thresholds"][kind] == router["threshold"] and kind not in meta["calibration"]
+        if kind not in s.selected_kinds:  # the quick pair measures the CITER router only
+            assert meta["thresholds"][kind] == router["threshold"] and kind not in meta["operating_points"]
             continue
-        # served: the on-policy calibration's pick, one of its probes, the first at the corpus threshold
-        cal = meta["calibration"][kind]
-        assert 0.0 < meta["thresholds"][kind] == cal["value"] < 1.0
-        assert cal["target_share"] == s.target_large_share and 1 <= len(cal["probes"]) <= s.calibration_iterations
-        assert cal["probes"][0]["value"] == pytest.approx(router["threshold"], rel=1e-6)
-        assert any(p["value"] == cal["value"] and p["share"] == cal["share"] for p in cal["probes"])
-        assert cal["reached"] == (abs(cal["share"] - cal["target_share"]) <= cal["tolerance"])
-        assert all(p["tokens"] > 0 for p in cal["probes"])
+        points = meta["operating_points"][kind]
+        assert [p["value"] for p in points] == pytest.approx(
+            [prepare.shifted(router["threshold"], o) for o in s.selection_offsets], rel=1e-6)
+        assert all(p["answers"] == s.selection_problems and p["tokens"] > 0 for p in points)
+        assert meta["thresholds"][kind] in [p["value"] for p in points]
+    assert json.loads((pair.routers["r2r"] / "router.json").read_text())["training"]["data"]["labels"] == "outcome"
+    served = meta["served"]
+    assert served["algorithm"] in s.selected_kinds and served["value"] == meta["thresholds"][served["algorithm"]]
     group = GroupConfig.from_yaml(pair.config)
-    assert group.names == ["small", "large"] and group.algorithm == "citer"
+    assert group.names == ["small", "large"] and group.algorithm == served["algorithm"] == "citer"
     assert group.algorithm_params["tau"] == meta["thresholds"]["citer"]
 
     # cached: a second call trains nothing
@@ -254,7 +271,8 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
 
     monkeypatch.setattr("tokenrouter.training.student.train_student", refuse)
     monkeypatch.setattr("tokenrouter.training.train.train_router", refuse)
-    monkeypatch.setattr("tokenrouter.training.prepare.calibrate_group", refuse)
+    monkeypatch.setattr("tokenrouter.training.prepare.measure", refuse)
+    monkeypatch.setattr("tokenrouter.training.large_answers.answer", refuse)
     assert prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None) == pair
 
 
@@ -286,6 +304,14 @@ def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):
     small, large = by[("small", "")], by[("large", "")]
     assert large.large_share == 1.0 and large.agreement == 1.0 and small.large_share == 0.0
     assert by[("query", "share=0")] == small and by[("query", "share=1")] == large
+    # the oracle writes the large model's answers, with the large model writing only where the small differs
+    oracle = by[("oracle", "")]
+    assert (oracle.accuracy, oracle.nll, oracle.tokens) == (large.accuracy, large.nll, large.tokens)
+    assert 0.0 <= oracle.large_share <= 1.0
+    for r in results:
+        if r.system in ("r2r", "r_stitch"):  # hand-offs against the oracle's labels, on the system's own answers
+            assert r.oracle is not None and r.oracle.routed == round(r.totals.large_share * r.totals.tokens)
+            assert 0 <= r.oracle.hits <= min(r.oracle.routed, r.oracle.critical)
     assert 0.0 <= by[("query", "share=0.5")].large_share <= 1.0
     for kind in ("r2r", "r_stitch"):
         (t,) = [r.totals for r in results if r.system == kind]
@@ -298,3 +324,4 @@ def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):
     assert "| r2r |" in table(results) and "accuracy 95% CI" in table(results)
     rows = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert rows and all({"accuracy_low", "accuracy_high", "correct"} <= set(r) for r in rows)
+    assert {"oracle_precision", "oracle_recall"} <= set(next(r for r in rows if r["system"] == "r2r"))

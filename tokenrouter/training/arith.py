@@ -20,6 +20,7 @@ from tokenrouter.training import champ
 
 HELD_OUT = 300  # held-out problems (a 95% Wilson interval at accuracy 0.5 is +-0.056 wide)
 TRAIN = 200
+EXTRA_SEED = 7919  # training_problems draws from seed + this (a generator stream the split never reads)
 INSTRUCTION = "Answer with the final number only. "  # before the question: SmolLM2 follows it more often
 
 NAMES = ("Tom", "Sara", "Ali", "Mia", "Ken", "Lea", "Omar", "Ana")
@@ -103,6 +104,33 @@ def split(held_out: int = HELD_OUT, train: int = TRAIN, seed: int = 0) -> champ.
     problems = generate(held_out + train, seed)
     random.Random(seed + 1).shuffle(problems)
     return champ.Split(problems[held_out:], problems[:held_out])
+
+
+def training_problems(count: int, seed: int = 0) -> list[Problem]:
+    """`count` more training problems from the same kinds under another seed, none of whose questions
+    is in `split(seed=seed)`: what the student and the routers learn the task from (the split's own
+    training problems fit the query-level baseline and choose the served operating point). The kinds
+    come in turn; a kind whose questions run out (12 x 12 products) leaves the rotation."""
+    if count < 0:
+        raise ValueError(f"count must be at least 0, got {count}")
+    s = split(seed=seed)
+    seen = {p.text for p in s.held_out} | {p.text for p in s.train}
+    r = random.Random(seed + EXTRA_SEED)
+    kinds = list(KINDS)
+    out: list[Problem] = []
+    while len(out) < count:
+        if not kinds:
+            raise ValueError(f"cannot draw {count} training problems distinct from the split's")
+        kind = kinds[len(out) % len(kinds)]
+        for _ in range(200):
+            text, answer, solution = kind(r)
+            if text not in seen:
+                seen.add(text)
+                out.append(Problem(f"arith-train-{len(out)}", text, str(answer), (solution,)))
+                break
+        else:
+            kinds.remove(kind)
+    return out
 
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")

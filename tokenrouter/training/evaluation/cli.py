@@ -19,15 +19,17 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     print(f"small model: {pair.small} ({st['parameters'] / 1e6:.1f}M parameters, {st['train_tokens']} tokens, "
           f"{st['train_seconds']} s; held-out CE {st['held_out']['student_ce']:.3f} vs the large model's "
           f"{st['held_out']['teacher_ce']:.3f})")
+    if "answer_top1_agreement" in st["held_out"]:
+        print(f"small model on the large model's held-out answers: top-1 agreement "
+              f"{st['held_out']['answer_top1_agreement']:.3f}, CE {st['held_out']['answer_ce']:.3f}")
     for kind, m in meta["router_metrics"].items():
-        line = (f"{kind} router: {pair.routers[kind]} (held-out AUC {m['auc']:.3f}; corpus threshold "
-                f"{meta['corpus_thresholds'][kind]:.6g}; served {meta['thresholds'][kind]:.6g}")
-        c = meta["calibration"].get(kind)
-        if c is None:
-            print(line + ", not calibrated on-policy)")
-            continue
-        print(line + f", on-policy large share {c['share']:.3f} for target {c['target_share']:g}"
-              f"{'' if c['reached'] else ' (NOT within ' + format(c['tolerance'], 'g') + ')'})")
+        print(f"{kind} router: {pair.routers[kind]} (held-out AUC {m['auc']:.3f}; router.json threshold "
+              f"{meta['corpus_thresholds'][kind]:.6g}; served {meta['thresholds'][kind]:.6g})")
+        for p in meta["operating_points"].get(kind, []):
+            print(f"  {p['param']}={p['value']:.6g}: validation accuracy {p['accuracy']:.3f}, large share {p['share']:.3f}")
+    served = meta["served"]
+    print(f"served: {served['algorithm']} {served['param']}={served['value']:.6g} (validation accuracy "
+          f"{served['accuracy']:.3f} at a large share of {served['share']:.3f})")
     print(f"group config: {pair.config}")
     return 0
 
@@ -41,13 +43,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     pair = prepare(settings_for(args.quick), progress=not args.quiet, threads=args.num_threads)
     # the evaluation's own forwards (NLL under the large model, query features) run in this process
     torch.set_num_threads(args.num_threads or os.cpu_count() or 1)
-    s = EvalSettings(task=args.task, problems=args.problems, max_tokens=args.max_tokens,
-                     algorithms=tuple(args.algorithms),
-                     points=args.points, query_train_problems=args.query_train_problems)
-    results = evaluate(pair, s, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
-    write(results, Path(args.out), s, pair)
-    print(table(results))
-    print(f"written: {args.out}/eval.json, eval.md, quality_vs_cost.png")
+    for name in args.task:  # several tasks: one folder each under --out
+        out = Path(args.out) / name if len(args.task) > 1 else Path(args.out)
+        s = EvalSettings(task=name, problems=args.problems, max_tokens=args.max_tokens,
+                         algorithms=tuple(args.algorithms),
+                         points=args.points, query_train_problems=args.query_train_problems)
+        results = evaluate(pair, s, progress=not args.quiet, log=lambda m: print(m, file=sys.stderr))
+        write(results, out, s, pair)
+        print(f"## {name}\n{table(results)}")
+        print(f"written: {out}/eval.json, eval.md, quality_vs_cost.png")
     return 0
 
 
@@ -69,11 +73,14 @@ def add_prepare_parsers(subparsers: Any) -> None:
     d = EvalSettings()
     e = subparsers.add_parser("eval", help="quality and cost of routing on a task's held-out problems")
     _common(e)
-    e.add_argument("--task", default=d.task, choices=list(TASKS),
-                   help="champ: CHAMP competition problems; arith: generated arithmetic and word problems")
+    e.add_argument("--task", nargs="+", default=[d.task], choices=list(TASKS),
+                   help="champ: CHAMP competition problems; arith: generated arithmetic and word problems; "
+                        "arith_reworded: the same asked in wordings nothing trains on (several: one folder "
+                        "each under --out)")
     e.add_argument("--problems", type=int, default=d.problems,
                    help="held-out problems answered (default: all of the task's)")
-    e.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    e.add_argument("--max-tokens", type=int, default=d.max_tokens,
+                   help="output tokens per answer (default: the task's, arith 32 and champ 96)")
     e.add_argument("--algorithms", nargs="+", default=list(d.algorithms), choices=list(TOKEN_LEVEL))
     e.add_argument("--points", type=int, default=d.points,
                    help="thresholds per algorithm, around the served one (an odd number includes it)")

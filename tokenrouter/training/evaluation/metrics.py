@@ -76,17 +76,30 @@ def _norm(s: str) -> str:
     return re.sub(r"[\s$]|\\[,!;]", "", s).rstrip(".").replace("\\left", "").replace("\\right", "").lower()
 
 
-def is_correct(text: str, reference: str) -> bool:
+def answer_key(text: str) -> str | None:
+    """The text's final answer, normalised (None when it has none): equal keys, the same answer."""
     got = final_answer(text)
-    return got is not None and bool(reference) and _norm(got) == _norm(reference)
+    return None if got is None else _norm(got)
+
+
+def is_correct(text: str, reference: str) -> bool:
+    got = answer_key(text)
+    return got is not None and bool(reference) and got == _norm(reference)
+
+
+class Forced(NamedTuple):
+    """One answer teacher-forced through a model."""
+
+    nll_sum: float  # sum over output tokens of -log p(token | prompt, previous output)
+    greedy: list[int]  # the model's argmax at each output position
 
 
 @torch.no_grad()
-def nll_under(model: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-              batch_size: int = 4) -> list[float]:
-    """Per answer: the sum of the output tokens' negative log-likelihoods under `model` (a causal LM
-    returning .logits), given the prompt and the output before each token. Right-padded batches."""
-    sums: list[float] = []
+def forced(model: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+           batch_size: int = 4) -> list[Forced]:
+    """Per answer: its NLL under `model` (a causal LM returning .logits) and the model's greedy token at
+    each output position, given the prompt and the output before it. Right-padded batches."""
+    out: list[Forced] = []
     for i in range(0, len(prompts), batch_size):
         rows = [list(p) + list(o) for p, o in zip(prompts[i:i + batch_size], outputs[i:i + batch_size])]
         width = max(len(r) for r in rows)
@@ -98,6 +111,44 @@ def nll_under(model: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Se
         logp = F.log_softmax(model(input_ids=ids, attention_mask=mask).logits.float(), dim=-1)
         # position t predicts token t+1; the output's tokens sit at [len(prompt), len(row))
         tok_lp = logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        best = logp[:, :-1].argmax(-1)
         for j, (p, o) in enumerate(zip(prompts[i:i + batch_size], outputs[i:i + batch_size])):
-            sums.append(-float(tok_lp[j, len(p) - 1:len(p) - 1 + len(o)].sum()))
-    return sums
+            span = slice(len(p) - 1, len(p) - 1 + len(o))
+            out.append(Forced(-float(tok_lp[j, span].sum()), best[j, span].tolist()))
+    return out
+
+
+def nll_under(model: Any, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+              batch_size: int = 4) -> list[float]:
+    """Per answer: the sum of the output tokens' negative log-likelihoods under `model`."""
+    return [f.nll_sum for f in forced(model, prompts, outputs, batch_size)]
+
+
+class OracleMatch(NamedTuple):
+    """A router's decisions against the oracle's labels on the same prefixes: a position is critical
+    when the small model's greedy token differs from the large model's there."""
+
+    routed: int  # positions the large model wrote
+    critical: int  # positions the oracle would hand to the large model
+    hits: int  # both
+
+    @property
+    def precision(self) -> float:
+        return self.hits / self.routed if self.routed else float("nan")
+
+    @property
+    def recall(self) -> float:
+        return self.hits / self.critical if self.critical else float("nan")
+
+    @classmethod
+    def of(cls, writers: Sequence[Sequence[bool]], small_greedy: Sequence[Sequence[int]],
+           large_greedy: Sequence[Sequence[int]]) -> OracleMatch:
+        """writers[i][t]: the large model wrote token t of answer i; the greedy tokens of both models
+        teacher-forced on that answer."""
+        routed = critical = hits = 0
+        for w, s, g in zip(writers, small_greedy, large_greedy):
+            for large_wrote, a, b in zip(w, s, g):
+                routed += large_wrote
+                critical += a != b
+                hits += large_wrote and a != b
+        return cls(routed, critical, hits)

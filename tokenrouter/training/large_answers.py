@@ -1,0 +1,81 @@
+"""The large model's own greedy answers to training problems: the text a student of it learns the
+tasks from (sequence-level distillation) and the routers are labelled on.
+
+Answers come from our engine (`LLM`: continuous batching, one prefill per prompt), greedy, capped at
+the task's output length, exactly as `tokenrouter eval` asks them; an answer's ids end with the EOS
+that stopped it (the engine keeps it), so the student learns where the large model stops. Each answer is kept as token ids (no re-tokenisation:
+the ids the routers are labelled on are the ids the large model wrote).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenrouter.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One problem's prompt (chat-formatted ids) and the large model's greedy answer to it."""
+
+    task: str
+    prompt: list[int]
+    answer: list[int]  # output ids, EOS included when the model stopped
+    text: str  # the answer decoded
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.answer
+
+
+def answer(large: str | Path, task: str, prompts: Sequence[list[int]], max_tokens: int, progress: bool = False,
+           max_running_requests: int = 64) -> list[Exchange]:
+    """The large model at `large` answers every prompt greedily with at most `max_tokens` tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = generate(large, [list(p) for p in prompts], [params] * len(prompts), progress, max_running_requests)
+    return [Exchange(task, list(p), list(o.outputs[0].token_ids), o.outputs[0].text) for p, o in zip(prompts, outs)]
+
+
+def generate(model: str | Path, prompts: list[list[int]], params: list[SamplingParams], progress: bool,
+             max_running_requests: int = 64) -> list[Any]:
+    """`model` answers `prompts` on our engine with one torch thread, as a serving process runs:
+    prepare trains with every core, and a decode step on two threads of a shared machine runs several
+    times slower than on one (docs/DEPLOYMENT.md)."""
+    import torch
+
+    from tokenrouter.llm import LLM
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    llm = LLM(str(model), max_running_requests=max_running_requests)
+    try:
+        return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=progress)
+    finally:
+        llm.engine.shutdown()
+        torch.set_num_threads(before)
+
+
+def save(exchanges: Sequence[Exchange], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}")
+    tmp.write_text("\n".join(json.dumps({"task": e.task, "prompt": e.prompt, "answer": e.answer, "text": e.text})
+                             for e in exchanges) + "\n")
+    tmp.rename(path)
+
+
+def load(path: Path) -> list[Exchange]:
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        d: dict[str, Any] = json.loads(line)
+        try:
+            out.append(Exchange(str(d["task"]), [int(x) for x in d["prompt"]], [int(x) for x in d["answer"]],
+                                str(d["text"])))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{path}:{i}: not an exchange ({e})") from None
+    return out
