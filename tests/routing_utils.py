@@ -250,3 +250,54 @@ def only(msg: Peer) -> Handoff:
     """The one hand-off a Peer message carries (these tests hand off one request a step)."""
     assert len(msg.items) == 1, f"expected one hand-off, got {len(msg.items)}"
     return msg.items[0]
+
+
+# A user's routing algorithm, as a plug-in file: Bernoulli routing that raises in the stage a request's
+# own routing parameter `fail_in` names (route, send, receive, on_start, on_finish).
+PICKY_SOURCE = '''
+from tokenrouter.routing.bernoulli import Bernoulli
+
+
+class Picky(Bernoulli):
+    name = "picky"
+    request_params = ("p", "fail_in")
+
+    def __init__(self, models, p=0.5, fail_in=""):
+        super().__init__(models, p)
+        self.fail_in = fail_in
+
+    @classmethod
+    def check_request_value(cls, field, value):
+        return value if field == "fail_in" else super().check_request_value(field, value)
+
+    def _check(self, rid, stage):
+        # A peer's first hand-off reaches receive before on_start: no parameters yet, nothing to check.
+        if self.params_of.get(rid, {}).get("fail_in") == stage:
+            raise RuntimeError(f"picky cannot {stage} request {rid}")
+
+    def route(self, model, step):
+        for req in step.reqs:
+            self._check(req.rid, "route")
+        return super().route(model, step)
+
+    def send(self, req, dest, known):
+        self._check(req.rid, "send")
+        return super().send(req, dest, known)
+
+    def receive(self, peer, model):
+        self._check(peer.rid, "receive")
+        return super().receive(peer, model)
+
+    def on_start(self, req):
+        self._check(req.rid, "on_start")
+
+    def on_finish(self, req):
+        self._check(req.rid, "on_finish")
+'''
+
+
+def write_picky(folder: Path) -> str:
+    """Write the Picky plug-in into `folder`; its algorithm spec."""
+    path = Path(folder) / "picky.py"
+    path.write_text(PICKY_SOURCE)
+    return f"{path}:Picky"

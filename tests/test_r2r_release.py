@@ -6,6 +6,7 @@ pass, and serves as our R2R algorithm with its official threshold."""
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from pathlib import Path
 
@@ -129,14 +130,26 @@ def test_scores_equal_their_forward(tmp_path, normalize):
 
 
 class Payload:
-    """An arbitrary object: torch.load(weights_only=True) refuses to unpickle it."""
+    """An object whose unpickling runs code (it makes the folder `path`): torch.load(weights_only=True)
+    refuses its global, so the code never runs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
 
 
 def test_refusals(tmp_path):
-    bad = tmp_path / "evil.pt"
-    torch.save({"model_type": "HiddenStatesTokenLMHeadLogitsClassifier", "state_dict": {}, "x": Payload()}, bad)
-    with pytest.raises(ValueError, match="weights_only"):
+    bad, ran = tmp_path / "evil.pt", tmp_path / "the-payload-ran"
+    torch.save({"model_type": "HiddenStatesTokenLMHeadLogitsClassifier", "state_dict": {}, "x": Payload(ran)}, bad)
+    try:
         convert_r2r_router(bad, tmp_path / "out")
+        error = ""
+    except Exception as e:  # noqa: BLE001 - whatever it raised, the check below comes first
+        error = str(e)
+    assert not ran.exists(), "reading the checkpoint ran code from its pickle"
+    assert "weights_only" in error, error
     other = tmp_path / "other.pt"
     torch.save({"model_type": "LogitsClassifier", "init_args": {}, "state_dict": {}}, other)
     with pytest.raises(ValueError, match="not supported"):

@@ -218,20 +218,50 @@ def test_run_statistics(llm):
 
 
 # ---- a request id used again (Entry.add accepts a caller's rid) -----------------------------------
+def run_until_done(entry, reqs, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(r.done for r in reqs):
+        assert time.monotonic() < deadline, "a request never finished"
+        entry.poll(0.05)
+
+
 def test_rid_reused_after_abort_completes(llm):
-    prompt = prompts_of([6], seed=27)[0]
+    """The aborted request's late messages (its first token goes to the large model, so a hand-off is
+    in flight when the abort lands) never reach the new request of the same id: its output is the
+    one its prompt gives alone."""
+    prompt, other = prompts_of([6, 9], seed=27)
     seed = find_seed([True], first=len(prompt), p=P)  # the first token goes to the large model
+    (want,) = llm.generate(prompt_token_ids=[other], sampling_params=greedy(8, seed=seed), use_tqdm=False, timeout=60)
     entry = llm.entry
     try:
-        entry.add(prompt, greedy(4, seed=seed), rid="dup")
+        entry.add(prompt, greedy(8, seed=seed), rid="dup")
         entry.abort("dup")
-        again = entry.add(prompt, greedy(4, seed=seed), rid="dup")
-        deadline = time.monotonic() + 2.0
-        while not again.done and time.monotonic() < deadline:
-            entry.poll(0.05)
-        assert again.done, "the second request with the same id never finished"
+        again = entry.add(other, greedy(8, seed=seed), rid="dup")
+        run_until_done(entry, [again], timeout=5.0)
     finally:
         entry.abort("dup")
+    assert again.finish_reason == "length"
+    assert [(t.token, t.model) for t in again.out.tokens] == list(zip(want.outputs[0].token_ids,
+                                                                      want.outputs[0].token_models))
+    assert_no_live_requests(llm)
+
+
+def test_rid_in_use_is_refused_and_the_first_request_is_untouched(llm):
+    prompt = prompts_of([7], seed=28)[0]
+    seed = find_seed([True], first=len(prompt), p=P)
+    (want,) = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(12, seed=seed), use_tqdm=False,
+                           timeout=60)
+    entry = llm.entry
+    try:
+        first = entry.add(prompt, greedy(12, seed=seed), rid="twice")
+        with pytest.raises(ValueError, match="'twice' is already in use"):
+            entry.add(prompts_of([5], seed=29)[0], greedy(12, seed=seed + 1), rid="twice")
+        run_until_done(entry, [first])
+    finally:
+        entry.abort("twice")
+    assert first.finish_reason == "length"
+    assert [(t.token, t.model) for t in first.out.tokens] == list(zip(want.outputs[0].token_ids,
+                                                                      want.outputs[0].token_models))
     assert_no_live_requests(llm)
 
 

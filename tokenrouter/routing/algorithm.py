@@ -59,6 +59,11 @@ class RoutingAlgorithm(ABC):
     `outputs(model)` declares the step outputs route needs on that model; the runner computes
     only those. Every model named in a Route must be in `models`.
 
+    A call that raises fails only the request(s) it raised for: when `route` raises for a batch, the
+    runtime calls it again with each request alone (a step of one row) and fails the ones that raise
+    alone, so a request's Route must depend only on its own row, parameters and state, and `route`
+    must not change per-request state before it can raise.
+
     Each model's subserver holds its own instance (built from the same class and parameters), so
     state an instance keeps is that model's. The request lifecycle on one model:
       on_start(req) when the request first arrives on this model (a new request on the entry model,

@@ -183,6 +183,8 @@ class Stats(msgspec.Struct, tag="stats"):
     waiting_requests: int
     step_seconds_sum: float
     step_buckets: list[int]  # steps per STEP_LATENCY_BUCKETS bound, then the +Inf overflow (not cumulative)
+    aborted_requests: int = 0  # live requests this model dropped on an Abort
+    request_errors: dict[str, int] = msgspec.field(default_factory=dict)  # requests failed alone, by stage
 
 
 Message = Union[AddReq, Abort, Active, SetThresholds, Shutdown, StatsQuery, Topology, Wake, Peer, Tokens, Finished,

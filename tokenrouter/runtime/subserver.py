@@ -14,6 +14,7 @@ import os
 import signal
 import time
 import traceback
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -27,8 +28,9 @@ from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_trace import StepTraceWriter
-from tokenrouter.routing import PeerReq, make_algorithm
+from tokenrouter.routing import PeerReq, Route, make_algorithm
 from tokenrouter.runtime.connection_watch import ConnectionWatch
+from tokenrouter.runtime.containment import checked_route, route_each
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import (
     STEP_LATENCY_BUCKETS,
@@ -109,6 +111,8 @@ class Subserver:
         self.prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs the entry still awaits
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
+        self.aborted_requests = 0  # live requests ended here by an Abort (a client gone, a time limit, a peer failed)
+        self.request_errors: Counter[str] = Counter()  # requests failed alone, by the stage that raised
         self.pending_seconds = 0.0
         self.step_seconds_sum = 0.0
         self.step_buckets = [0] * (len(STEP_LATENCY_BUCKETS) + 1)
@@ -231,7 +235,7 @@ class Subserver:
             self.handoffs_of[msg.rid] = 0
             if msg.params.prompt_logprobs is not None:
                 self.prompt_logprobs_due.add(msg.rid)
-            self.algorithm.start(req, msg.routing)
+            self._start(req, msg.routing)
         elif isinstance(msg, Peer):
             for item in msg.items:
                 try:
@@ -241,6 +245,8 @@ class Subserver:
                     self._fail(item.req.rid)
         elif isinstance(msg, Abort):
             self.aborted[msg.rid] = time.monotonic()
+            if msg.rid in self.engine.reqs:
+                self.aborted_requests += 1
             self._drop(msg.rid)
         elif isinstance(msg, Active):
             self.launch.group_active = msg.n
@@ -261,18 +267,37 @@ class Subserver:
         elif isinstance(msg, Shutdown):
             self.running = False
 
-    def _fail(self, rid: str) -> None:
-        """End a request this model failed on: drop it here and tell the entry (which aborts it on
-        every peer). The cause is in this process's log, never in the message."""
+    def _fail(self, rid: str, stage: str = "step", message: str | None = None) -> None:
+        """End a request this model failed on: drop it here, count it under `stage` and tell the entry
+        (which aborts it on every peer). The cause is in this process's log, never in the message."""
+        self.request_errors[stage] += 1
         if rid in self.engine.reqs:
             self.engine.abort(rid)
         self._drop(rid)
-        self._send(self.to_entry, ReqError(self.name, rid, f"the model {self.name!r} failed on this request"))
+        message = message or f"the model {self.name!r} failed on this request"
+        self._send(self.to_entry, ReqError(self.name, rid, message))
+
+    def _algorithm_failed(self, rid: str, stage: str) -> None:
+        """The routing algorithm raised in `stage` (route, send, receive, on_start, on_finish) on this
+        request alone (the caller logged why): fail it, and only it."""
+        self._fail(rid, stage, f"the routing algorithm {self.algorithm.name!r} failed on this request "
+                               f"(in {stage} on model {self.name!r})")
+
+    def _start(self, req: Req, routing: dict[str, Any]) -> None:
+        try:
+            self.algorithm.start(req, routing)
+        except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
+            logger.exception("%s: %s.on_start failed on request %s", self.name, self.algorithm.name, req.rid)
+            self._algorithm_failed(req.rid, "on_start")
 
     def _drop(self, rid: str) -> None:
         req = self.engine.reqs.get(rid)
         if req is not None:
-            self.algorithm.finish(req)
+            try:
+                self.algorithm.finish(req)
+            except Exception:  # noqa: BLE001 - the request ends here anyway; its state is forgotten
+                logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, rid)
+                self.request_errors["on_finish"] += 1
         self.engine.abort(rid)
         self.known.pop(rid, None)
         self.handoffs_of.pop(rid, None)
@@ -282,7 +307,12 @@ class Subserver:
             self.pending_seconds += time.monotonic() - since
 
     def _receive(self, sender: str, msg: Handoff) -> None:
-        peer = self.algorithm.receive(msg.req, self.name)
+        try:
+            peer = self.algorithm.receive(msg.req, self.name)
+        except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
+            logger.exception("%s: %s.receive failed on request %s", self.name, self.algorithm.name, msg.req.rid)
+            self._algorithm_failed(msg.req.rid, "receive")
+            return
         rid = peer.rid
         if peer.finished:
             # Pass the finish on to the other peers that hold a copy: with three or more models the
@@ -309,7 +339,9 @@ class Subserver:
                 self._send(self.to_entry, ReqError(self.name, rid, str(e)))
                 return
             self.known[rid] = {}
-            self.algorithm.start(req, msg.first.routing)
+            self._start(req, msg.first.routing)
+            if rid not in eng.reqs:
+                return  # on_start failed on it
         else:
             eng.receive(rid, peer.loc, peer.suffix)
             since = self.pending_since.pop(rid, None)
@@ -340,13 +372,16 @@ class Subserver:
             if tracing:
                 self._trace_stages(t0, {"forward": took})
             return True
+        routes: list[Route | None]
         try:
-            routes = self.algorithm.route(self.name, out)
-        except Exception:  # noqa: BLE001 - the routing of these requests failed, not the model
-            logger.exception("%s: routing %d request(s) failed", self.name, len(out.reqs))
-            for req in out.reqs:
-                self._fail(req.rid)
-            return True
+            routes = list(checked_route(self.algorithm, self.name, out))
+        except Exception:  # noqa: BLE001 - the routing failed, not the model: find the requests it fails on
+            logger.exception("%s: %s.route failed on a batch of %d; routing each alone", self.name,
+                             self.algorithm.name, len(out.reqs))
+            routes = route_each(self.algorithm, self.name, out)
+            for req, route in zip(out.reqs, routes):
+                if route is None:
+                    self._algorithm_failed(req.rid, "route")
         # A request samples once its prefill is done, so its prompt logprobs are complete: they go out
         # before any of its tokens. Most steps have none due: no per-request pass then.
         if self.prompt_logprobs_due:
@@ -361,9 +396,17 @@ class Subserver:
         finished: list[Req] = []
         handoffs: list[tuple[Req, str]] = []
         for i, (req, tok, route) in enumerate(zip(out.reqs, out.token_ids, routes)):
+            if route is None:
+                continue  # failed in route
             if route.dest is None or route.keep:
-                eng.append_token(req, tok, now, out, i)
-                events.append(self._event(req, out, i))
+                try:  # stop strings, grammar: per-request work that may raise on this request's data
+                    eng.append_token(req, tok, now, out, i)
+                    event = self._event(req, out, i)
+                except Exception:  # noqa: BLE001 - fail this request, not the step
+                    logger.exception("%s: committing a token of request %s failed", self.name, req.rid)
+                    self._fail(req.rid, "commit")
+                    continue
+                events.append(event)
                 if req.finished:
                     finished.append(req)
                     continue
@@ -385,7 +428,13 @@ class Subserver:
         t5 = time.perf_counter() if tracing else 0.0
         batches: dict[str, list[Handoff]] = {}  # one message per peer and step
         for req, dest in handoffs:
-            batches.setdefault(dest, []).append(self._handoff(req, dest, now))
+            try:
+                item = self._handoff(req, dest, now)
+            except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
+                logger.exception("%s: %s.send failed on request %s", self.name, self.algorithm.name, req.rid)
+                self._algorithm_failed(req.rid, "send")
+                continue
+            batches.setdefault(dest, []).append(item)
         for dest, items in batches.items():
             self._send(self.to_peer[dest], Peer(self.name, items))
         if tracing:
@@ -410,7 +459,12 @@ class Subserver:
         """Tell the entry (in the next step's overlap), and add a finish notice for each peer that
         holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
-        self.algorithm.finish(req)
+        try:
+            self.algorithm.finish(req)
+        except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
+            logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, req.rid)
+            self._algorithm_failed(req.rid, "on_finish")
+            return
         self._send_later(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
                                                  len(req.tokens), self.handoffs_of.pop(req.rid, 0)))
         for peer in self.known.pop(req.rid, {}):
@@ -444,6 +498,7 @@ class Subserver:
             cached_pages=eng.cache.total_pages, total_pages=eng.pool.num_pages,
             live_requests=len(eng.reqs), waiting_requests=len(eng.scheduler.waiting),
             step_seconds_sum=self.step_seconds_sum, step_buckets=list(self.step_buckets),
+            aborted_requests=self.aborted_requests, request_errors=dict(self.request_errors),
         )
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from tokenrouter.runtime.messages import STEP_LATENCY_BUCKETS, Stats
@@ -41,7 +41,7 @@ class _EngineCollector(Collector):
         self.waiting = 0  # at the entry, for admission
         self.running = 0  # admitted at the entry and unfinished
 
-    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | HistogramMetricFamily | CounterMetricFamily]:
         gauges = {
             "kv_pages_total": ("KV pool pages", lambda s: s.total_pages),
             "kv_pages_free": ("KV pool pages free", lambda s: s.free_pages),
@@ -57,6 +57,24 @@ class _EngineCollector(Collector):
             for model, st in self.stats.items():
                 fam.add_metric([model], float(get(st)))
             yield fam
+        counters = {
+            "model_written_tokens": ("Tokens a model committed (aborted and failed requests' too)",
+                                     lambda s: s.tokens_written),
+            "model_aborted_requests": ("Live requests a model dropped on an abort (client gone, time limit, "
+                                       "a peer failed)", lambda s: s.aborted_requests),
+        }
+        for name, (doc, get) in counters.items():
+            counter = CounterMetricFamily(f"tokenrouter_{name}", doc, labels=["model"])
+            for model, st in self.stats.items():
+                counter.add_metric([model], float(get(st)))
+            yield counter
+        errors = CounterMetricFamily("tokenrouter_model_request_errors",
+                                     "Requests a model failed alone, by the stage that raised (step, commit, "
+                                     "route, send, receive, on_start, on_finish)", labels=["model", "stage"])
+        for model, st in self.stats.items():
+            for stage, n in sorted(st.request_errors.items()):
+                errors.add_metric([model, stage], float(n))
+        yield errors
         hist = HistogramMetricFamily("tokenrouter_step_latency_seconds", "Forward step latency per model",
                                      labels=["model"])
         for model, st in self.stats.items():

@@ -1,0 +1,52 @@
+"""Per-request containment of a routing algorithm's batched call, as the engine contains a failed step
+(tokenrouter/engine/engine.py): when `route` raises for a step's batch, it runs again one request at a
+time, and only the requests it raises on fail.
+
+Rows are independent inputs to `route` (a request's routing decision reads its own row of the step,
+its own parameters and its own state), so a request routed alone gets the decision it would have got
+in the batch; the draws of the built-in algorithms are keyed by (request seed, position), never by the
+batch, so the re-run is token-exact.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tokenrouter.engine.model_runner import StepOutput
+from tokenrouter.routing.algorithm import Route, RoutingAlgorithm
+
+logger = logging.getLogger(__name__)
+
+
+def checked_route(algorithm: RoutingAlgorithm, model: str, step: StepOutput) -> list[Route]:
+    """`algorithm.route` with its one promise checked: a Route per sampled request."""
+    routes = list(algorithm.route(model, step))
+    if len(routes) != len(step.reqs):
+        raise ValueError(f"{algorithm.name}.route returned {len(routes)} routes for {len(step.reqs)} requests")
+    return routes
+
+
+def step_row(step: StepOutput, i: int) -> StepOutput:
+    """Row i of a step, as a step of one request."""
+    def rows(t):  # type: ignore[no-untyped-def]
+        return None if t is None else t[i:i + 1]
+
+    top = None if step.top_logits is None else (step.top_logits[0][i:i + 1], step.top_logits[1][i:i + 1])
+    return StepOutput([step.reqs[i]], [step.token_ids[i]], rows(step.logprobs), rows(step.top_logprobs),
+                      rows(step.hidden), rows(step.logits), top, rows(step.entropy))
+
+
+def route_each(algorithm: RoutingAlgorithm, model: str, step: StepOutput) -> list[Route | None]:
+    """Route each request of `step` alone (after `route` raised on the whole batch): its Route, or None
+    for a request that raises alone. When none raises alone the batch as a whole failed: all None."""
+    routes: list[Route | None] = []
+    for i, req in enumerate(step.reqs):
+        try:
+            (route,) = checked_route(algorithm, model, step_row(step, i))
+        except Exception:  # noqa: BLE001 - this request is one the algorithm fails on
+            logger.exception("%s: %s.route failed on request %s alone", model, algorithm.name, req.rid)
+            route = None
+        routes.append(route)
+    if len(step.reqs) > 1 and all(r is not None for r in routes):
+        return [None] * len(routes)
+    return routes
