@@ -32,6 +32,7 @@ class Bernoulli(DeferToLarge):
     name = "bernoulli"
     request_params = ("p",)
     share_knob = ("p", True)
+    score_name = "draw"  # the uniform routing draw of the position: below p, the large model writes it
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)
@@ -48,3 +49,10 @@ class Bernoulli(DeferToLarge):
         params = self.params_of
         return hands_off([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs],
                          [params[r.rid]["p"] for r in step.reqs])
+
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        u = uniform([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs], _STREAM)
+        return u, self.request_values(step, "p", dtype=torch.float64)
+
+    def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        return score < threshold  # float64 both, as hands_off compares

@@ -27,7 +27,8 @@ from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_trace import StepTraceWriter
-from tokenrouter.routing import PeerReq, make_algorithm
+from tokenrouter.routing import STAY, PeerReq, make_algorithm
+from tokenrouter.runtime.attribution import Attribution
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import (
@@ -49,6 +50,7 @@ from tokenrouter.runtime.messages import (
     TokenEvent,
     Tokens,
     Topology,
+    Trace,
     decode,
     encode,
 )
@@ -107,6 +109,8 @@ class Subserver:
         self.pending_since: dict[str, float] = {}
         self.aborted: dict[str, float] = {}
         self.prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs the entry still awaits
+        self.attribution = Attribution(self.name)  # the requests that asked for a per-token trace
+        self.alone: set[str] = set()  # requests this model writes alone (routing.model): never routed
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
         self.pending_seconds = 0.0
@@ -231,6 +235,10 @@ class Subserver:
             self.handoffs_of[msg.rid] = 0
             if msg.params.prompt_logprobs is not None:
                 self.prompt_logprobs_due.add(msg.rid)
+            if msg.alone:
+                self.alone.add(msg.rid)
+            if msg.trace:
+                self.attribution.start(msg.rid, scored=not msg.alone)
             self.algorithm.start(req, msg.routing)
         elif isinstance(msg, Peer):
             for item in msg.items:
@@ -277,6 +285,8 @@ class Subserver:
         self.known.pop(rid, None)
         self.handoffs_of.pop(rid, None)
         self.prompt_logprobs_due.discard(rid)
+        self.attribution.forget(rid)
+        self.alone.discard(rid)
         since = self.pending_since.pop(rid, None)
         if since is not None:
             self.pending_seconds += time.monotonic() - since
@@ -309,6 +319,8 @@ class Subserver:
                 self._send(self.to_entry, ReqError(self.name, rid, str(e)))
                 return
             self.known[rid] = {}
+            if msg.first.trace:
+                self.attribution.start(rid)
             self.algorithm.start(req, msg.first.routing)
         else:
             eng.receive(rid, peer.loc, peer.suffix)
@@ -317,6 +329,7 @@ class Subserver:
                 self.pending_seconds += time.monotonic() - since
         self.known[rid][sender] = peer.loc + len(peer.suffix)
         self.handoffs_of[rid] = msg.handoffs
+        self.attribution.received(rid, msg.trace)
 
     def _step(self) -> bool:
         """Run one step if the scheduler launches one; whether it did."""
@@ -341,7 +354,13 @@ class Subserver:
                 self._trace_stages(t0, {"forward": took})
             return True
         try:
-            routes = self.algorithm.route(self.name, out)
+            scores = None
+            if self.attribution.traced and self.attribution.wants(out.reqs):
+                routes, scores = self.algorithm.route_traced(self.name, out)
+            else:
+                routes = self.algorithm.route(self.name, out)
+            if self.alone:
+                routes = [STAY if r.rid in self.alone else route for r, route in zip(out.reqs, routes)]
         except Exception:  # noqa: BLE001 - the routing of these requests failed, not the model
             logger.exception("%s: routing %d request(s) failed", self.name, len(out.reqs))
             for req in out.reqs:
@@ -363,11 +382,14 @@ class Subserver:
         for i, (req, tok, route) in enumerate(zip(out.reqs, out.token_ids, routes)):
             if route.dest is None or route.keep:
                 eng.append_token(req, tok, now, out, i)
-                events.append(self._event(req, out, i))
+                trace = self.attribution.token(req.rid, scores, i) if self.attribution.traced else None
+                events.append(self._event(req, out, i, trace))
                 if req.finished:
                     finished.append(req)
                     continue
             if route.dest is not None:
+                if self.attribution.traced:
+                    self.attribution.handing(req.rid, route, scores, i)
                 handoffs.append((req, route.dest))
         t3 = time.perf_counter() if tracing else 0.0
         self.tokens_written += len(events)
@@ -399,18 +421,20 @@ class Subserver:
         self.trace.write_stages(self.index, start, stages)
 
     @staticmethod
-    def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
+    def _event(req: Req, out: StepOutput, row: int, trace: Trace | None = None) -> TokenEvent:
         lp = top = None
         if req.params.logprobs is not None and out.logprobs is not None:
             lp = out.logprobs[row]
             top = out.top_logprobs[row] if out.top_logprobs is not None else None
-        return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top)
+        return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top, trace)
 
     def _finished(self, req: Req, notices: dict[str, list[Handoff]]) -> None:
         """Tell the entry (in the next step's overlap), and add a finish notice for each peer that
         holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
         self.algorithm.finish(req)
+        self.attribution.forget(req.rid)
+        self.alone.discard(req.rid)
         self._send_later(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
                                                  len(req.tokens), self.handoffs_of.pop(req.rid, 0)))
         for peer in self.known.pop(req.rid, {}):
@@ -425,14 +449,14 @@ class Subserver:
         first = None
         if dest not in known:
             first = FirstVisit(req.prompt_len, dataclasses.replace(req.params, prompt_logprobs=None), req.seed,
-                               self.algorithm.params_of.get(req.rid, {}))
+                               self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         self.engine.scheduler.set_pending(req)
         self.pending_since[req.rid] = now
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        return Handoff(peer, first, self.handoffs_of[req.rid])
+        return Handoff(peer, first, self.handoffs_of[req.rid], self.attribution.sent(req.rid))
 
     def stats(self) -> Stats:
         eng = self.engine

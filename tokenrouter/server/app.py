@@ -23,7 +23,7 @@ from tokenrouter import __version__
 from tokenrouter.server.async_entry import AsyncEntry, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
 from tokenrouter.server.choices import ChoiceRunner
-from tokenrouter.server.generation import finish_reason, routing, total_routing, usage
+from tokenrouter.server.generation import finish_reason, routing, total_routing, trace_entries, usage
 from tokenrouter.server.logprobs import LogprobFormat
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import (
@@ -157,6 +157,7 @@ class OpenAIServer:
                                    lambda cap: body.sampling(cap, body.logprobs, body.prompt_logprobs), body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
+        traced = gens[0].traced
         model_name = self.cfg.model_name
         # echo: each choice's text opens with its prompt's text
         echoed = ([p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts for _ in range(n)]
@@ -176,8 +177,11 @@ class OpenAIServer:
                 head = self.logprobs.prompt(encoded[i // n], toks[0].prompt_logprobs if toks else None)
                 logprobs = {key: head[key] + logprobs[key] for key in head}
                 text = echoed[i] + text
-            return completion_chunk(rid, created, model_name, i, text, reason, logprobs,
-                                    [t.token for t in toks] if body.return_token_ids else None)
+            out = completion_chunk(rid, created, model_name, i, text, reason, logprobs,
+                                   [t.token for t in toks] if body.return_token_ids else None)
+            if traced:
+                out["choices"][0]["trace"] = trace_entries(toks)
+            return out
 
         if body.stream:
             every = want_lp or body.return_token_ids
@@ -209,6 +213,7 @@ class OpenAIServer:
                                    lambda cap: body.sampling(cap, logprobs), body.routing)
         rid, created = "chat" + gens[0].stream.rid, int(time.time())
         first = [True] * len(gens)
+        traced = gens[0].traced
         model_name = self.cfg.model_name
 
         def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
@@ -216,9 +221,12 @@ class OpenAIServer:
             if first[i]:
                 delta = {"role": "assistant", **delta}
                 first[i] = False
+            choice = {"index": i, "delta": delta, "finish_reason": reason,
+                      "logprobs": self.logprobs.chat(toks) if logprobs is not None else None}
+            if traced:
+                choice["trace"] = trace_entries(toks)
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": i, "delta": delta, "finish_reason": reason,
-                                 "logprobs": self.logprobs.chat(toks) if logprobs is not None else None}]}
+                    "choices": [choice]}
 
         if body.stream:
             return StreamingResponse(self.choices.stream_events(gens, body.n, chunk, body.usage_options(),
@@ -231,7 +239,7 @@ class OpenAIServer:
             choices.append({"index": i, "message": {"role": "assistant", "content": gen.text},
                             "finish_reason": finish_reason(gen.done),
                             "logprobs": self.logprobs.chat(gen.tokens) if logprobs is not None else None,
-                            "routing": routing(gen)})
+                            "routing": routing(gen), **({"trace": trace_entries(gen.tokens)} if traced else {})})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": choices, "usage": usage(gens, body.n), "routing": total_routing(gens)})
