@@ -26,6 +26,7 @@ from tokenrouter.server.choices import ChoiceRunner
 from tokenrouter.server.generation import finish_reason, routing, total_routing, trace_entries, usage
 from tokenrouter.server.logprobs import LogprobFormat
 from tokenrouter.server.metrics import ServerMetrics
+from tokenrouter.server.page import mount_ui
 from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -53,6 +54,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_threads: int = 2  # the pool that tokenises prompts, off the event loop
     chat_special_tokens: SpecialTokens = "escape"  # see server/chat.py
+    ui: bool = True  # serve the routing page at / (server/ui/)
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:
@@ -283,7 +285,10 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         """vLLM's model card: clients read `root` (`vllm bench serve` without --model fails on a card
         without it, and loads its tokenizer from there when not given --tokenizer). Here root is the
-        folder the server's tokenizer comes from; `members` (extension) names the group's models."""
+        folder the server's tokenizer comes from; `members` (extension) names the group's models, and
+        `routing` (extension) the algorithm: its per-request parameters with the group's values, the
+        one that sets the other models' share (`share_knob`, and whether raising it raises the share),
+        and what its per-token score is (`score`, None: it has none)."""
         self.check_auth(request)
         entry = self.runtime.entry
         root = self.runtime.group.spec(entry.algorithm.entry_model).engine.model_path if entry else None
@@ -295,7 +300,16 @@ class OpenAIServer:
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                             "allow_fine_tuning": False, "organization": "*", "group": None,
                             "is_blocking": False}],
-            "members": self.runtime.group.names}]})
+            "members": self.runtime.group.names, "routing": self.routing_card()}]})
+
+    def routing_card(self) -> dict[str, Any] | None:
+        entry = self.runtime.entry
+        if entry is None:
+            return None
+        algo = entry.algorithm
+        knob = algo.share_knob
+        return {"algorithm": algo.name, "params": algo.request_defaults(), "score": algo.score_name,
+                "share_knob": knob[0] if knob else None, "knob_raises_share": knob[1] if knob else None}
 
     async def health(self) -> Response:
         if self.runtime.healthy:
@@ -334,4 +348,6 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_api_route("/version", server.version, methods=["GET"])
+    if cfg.ui:
+        mount_ui(app)
     return app
