@@ -140,7 +140,8 @@ async function run({ compare = false, model = null } = {}) {
   else while (panes.children.length > 1) panes.lastChild.remove();
   const members = state.card.members || [state.card.id];
   const pane = new Pane(panes, { title: paneTitle(s, { model }), models: members,
-    scoreName: model ? null : state.card.routing?.score, tip: $("tip") });
+    scoreName: model ? null : state.card.routing?.score, tip: $("tip"),
+    note: model ? `${model} alone: no routing decision, so no score` : "this algorithm gives no per-token score" });
   const body = requestBody(s, { model });
   const path = s.mode === "chat" ? "/v1/chat/completions" : "/v1/completions";
   const ctl = new AbortController();

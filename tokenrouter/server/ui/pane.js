@@ -26,7 +26,8 @@ export function fmt(x) {
 export class Pane {
   // models: the group's members (first = the entry model); scoreName: what the router's score is;
   // tip: the shared tooltip element.
-  constructor(parent, { title, models, scoreName, tip }) {
+  // note: why there is no score, when scoreName is null.
+  constructor(parent, { title, models, scoreName, tip, note = "this algorithm gives no per-token score" }) {
     this.models = models;
     this.scoreName = scoreName;
     this.tip = tip;
@@ -37,6 +38,9 @@ export class Pane {
     this.firstAt = null;
     this.lastAt = null;
     this.threshold = null;
+    this.points = [];  // [rect, score] of each scored position, for re-scaling the strip
+    this.lo = null;  // the strip's score axis, fitted to the scores and threshold seen
+    this.hi = null;
 
     this.root = el("section", { class: "pane", "data-state": "running" });
     this.root.append(el("h2", {}, title));
@@ -51,12 +55,13 @@ export class Pane {
     this.strip = svg("svg", { class: "strip", viewBox: `0 0 ${50 * BAR_W} ${STRIP_H}`, preserveAspectRatio: "none",
       role: "img", "aria-label": scoreName ? `${scoreName} at each position, threshold as a line` : "no router score" });
     this.bars = svg("g");
+    this.thresholdHalo = svg("line", { class: "threshold-halo", x1: 0, x2: 50 * BAR_W, y1: -10, y2: -10 });
     this.thresholdLine = svg("line", { class: "threshold", x1: 0, x2: 50 * BAR_W, y1: -10, y2: -10 });
-    this.strip.append(this.bars, this.thresholdLine);
+    this.strip.append(this.bars, this.thresholdHalo, this.thresholdLine);
     const stripBox = el("figure", { class: "strip-box" });
-    const cap = el("figcaption", {}, scoreName ? `router score (${scoreName}) per position; line: threshold`
-      : "this algorithm gives no per-token score");
-    stripBox.append(this.strip, cap);
+    this.caption = el("figcaption", {}, scoreName ? `router score (${scoreName}) per position; dashed line: threshold`
+      : note);
+    stripBox.append(this.strip, this.caption);
     this.root.append(this.stats, this.status, this.answer, stripBox);
     parent.append(this.root);
 
@@ -120,19 +125,52 @@ export class Pane {
   }
 
   addBar(e) {
-    const x = this.n * BAR_W;
     const width = Math.max(50, this.n + 1) * BAR_W;
     this.strip.setAttribute("viewBox", `0 0 ${width} ${STRIP_H}`);
-    this.thresholdLine.setAttribute("x2", String(width));
+    for (const line of [this.thresholdLine, this.thresholdHalo]) line.setAttribute("x2", String(width));
     if (e.score === null || e.score === undefined) return;
-    const h = Math.max(0.5, Math.min(1, Math.max(0, e.score)) * STRIP_H);
-    this.bars.append(svg("rect", { class: this.writerClass(e.model), x, y: STRIP_H - h, width: BAR_W - 0.6, height: h }));
-    if (e.threshold !== null && e.threshold !== undefined && this.threshold !== e.threshold) {
-      this.threshold = e.threshold;
-      const y = STRIP_H - Math.min(1, Math.max(0, e.threshold)) * STRIP_H;
-      this.thresholdLine.setAttribute("y1", String(y));
-      this.thresholdLine.setAttribute("y2", String(y));
+    const rect = svg("rect", { class: this.writerClass(e.model), x: this.n * BAR_W, width: BAR_W - 0.6 });
+    this.bars.append(rect);
+    this.points.push([rect, e.score]);
+    const hasThreshold = e.threshold !== null && e.threshold !== undefined;
+    if (hasThreshold) this.threshold = e.threshold;
+    const inside = (v) => this.lo !== null && v >= this.lo && v <= this.hi;
+    if (!inside(e.score) || (hasThreshold && !inside(e.threshold))) this.fit();
+    else this.place(rect, e.score);
+  }
+
+  // The score axis: the range of the scores and threshold seen, padded (random scores in [0, 1]
+  // fill it; CITER confidences or entropies near 1 get a readable close-up).
+  fit() {
+    const values = this.points.map((p) => p[1]);
+    if (this.threshold !== null) values.push(this.threshold);
+    let lo = Math.min(...values);
+    let hi = Math.max(...values);
+    const pad = Math.max(0.005, (hi - lo) * 0.15);
+    lo = Math.max(0, lo - pad);
+    hi = Math.min(1, hi + pad);
+    if (hi - lo < 1e-6) hi = lo + 1e-6;
+    this.lo = lo;
+    this.hi = hi;
+    for (const [rect, score] of this.points) this.place(rect, score);
+    if (this.threshold !== null) {
+      for (const line of [this.thresholdLine, this.thresholdHalo]) {
+        line.setAttribute("y1", String(this.y(this.threshold)));
+        line.setAttribute("y2", String(this.y(this.threshold)));
+      }
     }
+    this.caption.textContent = `router score (${this.scoreName}) per position, axis ${lo.toFixed(3)} to `
+      + `${hi.toFixed(3)}; dashed line: threshold ${fmt(this.threshold)}`;
+  }
+
+  y(v) {
+    return STRIP_H * (1 - (v - this.lo) / (this.hi - this.lo));
+  }
+
+  place(rect, score) {
+    const top = Math.min(STRIP_H - 0.5, this.y(score));
+    rect.setAttribute("y", String(top));
+    rect.setAttribute("height", String(STRIP_H - top));
   }
 
   // Text released without a token of its own (the end of the answer held back until it finished).
@@ -205,7 +243,7 @@ export class Pane {
     this.tip.replaceChildren(...lines.map((l) => el("div", {}, l)));
     this.tip.hidden = false;
     const r = target.getBoundingClientRect();
-    this.tip.style.left = `${Math.max(4, Math.min(window.innerWidth - 320, r.left + window.scrollX))}px`;
+    this.tip.style.left = `${Math.max(4, Math.min(window.innerWidth - 380, r.left + window.scrollX))}px`;
     this.tip.style.top = `${r.bottom + window.scrollY + 6}px`;
   }
 
