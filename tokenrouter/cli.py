@@ -243,7 +243,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     group, name = group_from_args(args)
     limits = RequestLimits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars, args.max_stop_token_ids)
     server_cfg = ServerConfig(name, args.api_key, args.max_body_bytes, args.request_timeout,  # type: ignore[arg-type]
-                              limits, args.tokenizer_threads, args.chat_special_tokens)
+                              limits, args.tokenizer_threads, args.chat_special_tokens, ui=not args.no_ui)
     serve(group, server_cfg, host=args.host, port=args.port, grace_period=args.grace_period,  # type: ignore[arg-type]
           log_level=args.log_level, restart_on_failure=args.restart_on_failure, header_timeout=args.header_timeout)
     return 0
@@ -387,6 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--chat-special-tokens", choices=["escape", "allow"], default="escape",
                     help="text in chat content that spells a special token (<|im_end|>, ...): 'escape' "
                          "tokenises it as plain text; 'allow' lets it become the control token (as vLLM does)")
+    sv.add_argument("--no-ui", action="store_true",
+                    help="do not serve the routing page at / (each token coloured by the model that wrote it)")
     sv.set_defaults(func=cmd_serve)
 
     pf = sub.add_parser("profile", help="measure a model's step latency into a latency profile (JSON)")

@@ -25,6 +25,18 @@ class RequestMetrics:
 
 
 @dataclass
+class TokenTrace:
+    """One output token's attribution, for a routed request that asked for it (routing {"trace": true})."""
+
+    model: str  # the model that wrote it
+    # The models the request passed through since the previous token, ending with `model` (a hand-off
+    # from each to the next); empty: no hand-off before this token.
+    handoff: list[str]
+    score: float | None  # the router's score at this position (None: the algorithm has none)
+    threshold: float | None  # what the score was compared with
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -34,6 +46,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None  # per output token: sampled token and top-k
     cumulative_logprob: float | None = None
     token_models: list[str] | None = None  # routed groups: the model that wrote each token
+    trace: list[TokenTrace] | None = None  # routed requests that asked for it: each token's attribution
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tokenrouter.engine.prompts import PromptType, prepare_requests
-from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprob_entries
+from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenTrace, prompt_logprob_entries
 from tokenrouter.runtime.entry import Entry, EntryReq
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats
@@ -72,7 +72,10 @@ class RoutedLLM:
 
         `routing`: overrides of the algorithm's per-request parameters (e.g. {"threshold": 0.3} for
         R2R), one dict for every prompt or one per prompt; a bad one raises ValueError naming it.
-        Each output's `extra["routing"]` holds the parameters its request ran with."""
+        Each output's `extra["routing"]` holds the parameters its request ran with. The runtime's own
+        fields (routing/request_options.py): {"trace": True} fills `CompletionOutput.trace` (each
+        token's writer, the hand-offs before it, the router's score and threshold); {"model": NAME}
+        has that model write the whole request."""
         requests = prepare_requests(prompts, prompt_token_ids, sampling_params, self.entry.tokenizer.encode)
         encoded = [(text, ids) for text, ids, _ in requests]
         plist = [sp for _, _, sp in requests]
@@ -125,7 +128,9 @@ class RoutedLLM:
         completion = CompletionOutput(
             index=0, text=text, token_ids=ids, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=logprobs, cumulative_logprob=sum(t.logprob for t in scored) if scored else None,
-            token_models=[t.model for t in out.tokens])
+            token_models=[t.model for t in out.tokens],
+            trace=[TokenTrace(t.model, list(t.trace.path), t.trace.score, t.trace.threshold)
+                   for t in out.tokens if t.trace is not None] if req.plan.options.trace else None)
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=out.first_token_time,
                                  finished_time=req.finish_time, num_cached_tokens=None,
                                  num_computed_tokens=None, num_preemptions=None)

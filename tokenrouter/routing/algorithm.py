@@ -31,6 +31,14 @@ class Route(NamedTuple):
 STAY = Route(None, True)
 
 
+class Scores(NamedTuple):
+    """The numbers behind a step's routes, one per sampled request in row order: the router's score
+    and the threshold it was compared with (for a per-token trace of the routing)."""
+
+    score: list[float]
+    threshold: list[float]
+
+
 class RoutingParamError(ValueError):
     """A routing parameter is bad; `field` names it (an HTTP 400's `param` is routing.FIELD)."""
 
@@ -83,6 +91,14 @@ class RoutingAlgorithm(ABC):
 
     `share_knob`: the one of `request_params` that `tokenrouter calibrate` searches (see below).
 
+    Scores (a request's per-token trace): `route_traced(model, step)` returns route's routes together
+    with the `Scores` behind them (each row's score and the threshold it was compared with), or None
+    for an algorithm without a score (the default). The runtime calls it instead of route only on steps
+    where some request asked for a trace (`routing: {"trace": true}`), so an algorithm pays nothing for
+    it otherwise; it must decide exactly as route does. `score_name` says what the score is.
+    The fields `trace` and `model` of a request's `routing` object are the runtime's
+    (routing/request_options.py), never an algorithm's parameters.
+
     `needs_router`: the algorithm reads a trained router folder (its `router` parameter), so a group's
     `routers:` section may name one for it by the algorithm's name.
     """
@@ -94,6 +110,8 @@ class RoutingAlgorithm(ABC):
     # and whether raising it makes them write more (True) or fewer: `tokenrouter calibrate` searches it
     # for a target share. None: the algorithm has no such knob.
     share_knob: ClassVar[tuple[str, bool] | None] = None
+    # What route_traced's score measures (e.g. "confidence"); None: the algorithm has no score.
+    score_name: ClassVar[str | None] = None
 
     def __init__(self, models: list[str], **params: Any) -> None:
         if len(set(models)) != len(models) or not models:
@@ -121,6 +139,10 @@ class RoutingAlgorithm(ABC):
 
     @abstractmethod
     def route(self, model: str, step: StepOutput) -> list[Route]: ...
+
+    def route_traced(self, model: str, step: StepOutput) -> tuple[list[Route], Scores | None]:
+        """route's routes, and the score and threshold behind each one (None: no score)."""
+        return self.route(model, step), None
 
     def send(self, req: Req, dest: str, known: int) -> PeerReq:
         return PeerReq(rid=req.rid, suffix=req.tokens[known:], loc=known)

@@ -19,12 +19,17 @@ from tokenrouter.routing.deferral import DeferToLarge
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
 
 
+def routing_draws(seeds: list[int], positions: list[int]) -> torch.Tensor:
+    """The uniform draw (float64) of each (request seed, position): below p, the second model writes it."""
+    return uniform(seeds, positions, _STREAM)
+
+
 def hands_off(seeds: list[int], positions: list[int], p: float | list[float]) -> torch.Tensor:
     """Which positions the second model writes: a pure function of (request seed, position), so the
     standard-serving baseline and the tests make the same draws as the router. `p`: one for all, or
     one per position (compared in float64, so a per-request p draws as the group's does). In numpy:
     this runs on every step of the small model, where each torch operation costs microseconds."""
-    u = uniform(seeds, positions, _STREAM).numpy()
+    u = routing_draws(seeds, positions).numpy()
     return torch.from_numpy(u < np.asarray(p, dtype=np.float64))
 
 
@@ -32,6 +37,7 @@ class Bernoulli(DeferToLarge):
     name = "bernoulli"
     request_params = ("p",)
     share_knob = ("p", True)
+    score_name = "draw"  # the uniform routing draw of the position: below p, the large model writes it
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)
@@ -48,3 +54,10 @@ class Bernoulli(DeferToLarge):
         params = self.params_of
         return hands_off([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs],
                          [params[r.rid]["p"] for r in step.reqs])
+
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        u = routing_draws([r.seed for r in step.reqs], [len(r.tokens) for r in step.reqs])
+        return u, self.request_values(step, "p", dtype=torch.float64)
+
+    def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        return score < threshold  # float64 both, as hands_off compares

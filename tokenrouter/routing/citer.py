@@ -14,6 +14,7 @@ class Citer(HeadDeferral):
     name = "citer"
     request_params = ("tau",)
     share_knob = ("tau", True)
+    score_name = "confidence"
 
     def __init__(self, models: list[str], router: str, tau: float | None = None) -> None:
         super().__init__(models, router)
@@ -29,7 +30,13 @@ class Citer(HeadDeferral):
         return StepOutputSpec(hidden=model == self.small)
 
     @torch.inference_mode()
-    def defer(self, step: StepOutput) -> torch.Tensor:
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.router is not None and step.hidden is not None
         confidence = torch.sigmoid(self.router.head(step.hidden))
-        return confidence < self.request_values(step, "tau", confidence.device)
+        return confidence, self.request_values(step, "tau", confidence.device)
+
+    def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        return score < threshold
+
+    def defer(self, step: StepOutput) -> torch.Tensor:
+        return self.defers(*self.scores(step))

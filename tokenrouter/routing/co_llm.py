@@ -14,6 +14,7 @@ class CoLLM(HeadDeferral):
     name = "co_llm"
     request_params = ("eta",)
     share_knob = ("eta", False)
+    score_name = "deferral probability"
 
     def __init__(self, models: list[str], router: str, eta: float | None = None) -> None:
         super().__init__(models, router)
@@ -29,7 +30,13 @@ class CoLLM(HeadDeferral):
         return StepOutputSpec(hidden=model == self.small)
 
     @torch.inference_mode()
-    def defer(self, step: StepOutput) -> torch.Tensor:
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.router is not None and step.hidden is not None
         p_defer = torch.sigmoid(self.router.head(step.hidden))
-        return p_defer > self.request_values(step, "eta", p_defer.device)
+        return p_defer, self.request_values(step, "eta", p_defer.device)
+
+    def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        return score > threshold
+
+    def defer(self, step: StepOutput) -> torch.Tensor:
+        return self.defers(*self.scores(step))

@@ -1,7 +1,8 @@
 """Two-model deferral: after each small-model token a per-request decision may hand the position to
 the large model, which drops the small token, writes exactly one token and hands back.
 
-CITER, R2R, Co-LLM and the synthetic Bernoulli router differ only in `defer`.
+CITER, R2R, Co-LLM and the synthetic Bernoulli router differ only in `defer`, and in the score behind
+it (`scores` and `defers`), which a traced request reports per token.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores
 from tokenrouter.routing.routers import LoadedRouter, check_pair, engine_fingerprint, load_router, router_meta
 
 if TYPE_CHECKING:
@@ -30,11 +31,30 @@ class DeferToLarge(RoutingAlgorithm):
     def defer(self, step: StepOutput) -> torch.Tensor:
         """A bool per sampled request of a small-model step: True hands the position to the large model."""
 
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The score of each sampled request of a small-model step and the threshold it is compared
+        with (defer is `defers(score, threshold)`); None: this algorithm has no score."""
+        return None
+
+    def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        """defer from scores' numbers: implemented by the algorithms that have a score."""
+        raise NotImplementedError
+
     def route(self, model: str, step: StepOutput) -> list[Route]:
         if model == self.large:
             return [Route(self.small, keep=True)] * len(step.reqs)
+        return self._routes(self.defer(step))
+
+    def route_traced(self, model: str, step: StepOutput) -> tuple[list[Route], Scores | None]:
+        scored = self.scores(step) if model == self.small else None
+        if scored is None:
+            return self.route(model, step), None
+        score, threshold = scored
+        return self._routes(self.defers(score, threshold)), Scores(score.tolist(), threshold.tolist())
+
+    def _routes(self, defer: torch.Tensor) -> list[Route]:
         go = Route(self.large, keep=False)
-        return [go if d else STAY for d in self.defer(step).tolist()]
+        return [go if d else STAY for d in defer.tolist()]
 
 
 class HeadDeferral(DeferToLarge):

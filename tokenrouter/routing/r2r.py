@@ -20,6 +20,7 @@ class R2R(HeadDeferral):
     name = "r2r"
     request_params = ("threshold",)
     share_knob = ("threshold", False)
+    score_name = "divergence probability"
 
     def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
         super().__init__(models, router)
@@ -46,9 +47,15 @@ class R2R(HeadDeferral):
             self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
 
     @torch.inference_mode()
-    def defer(self, step: StepOutput) -> torch.Tensor:
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.router is not None and self.embed is not None
         assert step.hidden is not None and step.top_logits is not None
         tokens = torch.tensor(step.token_ids, device=self.embed.device)
         score = torch.sigmoid(self.router.head(step.hidden, self.embed[tokens], step.top_logits[0]))
-        return score >= self.request_values(step, "threshold", score.device)
+        return score, self.request_values(step, "threshold", score.device)
+
+    def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+        return score >= threshold
+
+    def defer(self, step: StepOutput) -> torch.Tensor:
+        return self.defers(*self.scores(step))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, unit_interval
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores, unit_interval
 
 if TYPE_CHECKING:
     from tokenrouter.engine.engine import Engine
@@ -21,6 +21,7 @@ class RStitch(RoutingAlgorithm):
     name = "r_stitch"
     request_params = ("tau",)
     share_knob = ("tau", False)
+    score_name = "normalised entropy"
 
     def __init__(self, models: list[str], tau: float = 0.03) -> None:
         super().__init__(models)
@@ -47,10 +48,17 @@ class RStitch(RoutingAlgorithm):
         return step.entropy / self.log_vocab[model]
 
     def route(self, model: str, step: StepOutput) -> list[Route]:
+        return self._decide(model, step)[0]
+
+    def route_traced(self, model: str, step: StepOutput) -> tuple[list[Route], Scores | None]:
+        routes, h, tau = self._decide(model, step)
+        return routes, Scores(h.tolist(), tau.tolist())
+
+    def _decide(self, model: str, step: StepOutput) -> tuple[list[Route], torch.Tensor, torch.Tensor]:
         h = self.normalised_entropy(model, step)
         tau = self.request_values(step, "tau", h.device)
         if model == self.small:
             up = Route(self.large, keep=False)
-            return [up if x else STAY for x in (h >= tau).tolist()]
+            return [up if x else STAY for x in (h >= tau).tolist()], h, tau
         down = Route(self.small, keep=True)
-        return [down if x else STAY for x in (h < tau).tolist()]
+        return [down if x else STAY for x in (h < tau).tolist()], h, tau

@@ -19,6 +19,7 @@ import msgspec
 
 from tokenrouter.engine.grammar import check_structured_output
 from tokenrouter.engine.request_validation import InvalidRequest, validate_prompt
+from tokenrouter.routing.request_options import RequestOptions, split_routing
 from tokenrouter.runtime.messages import AddReq, Ready, encode
 from tokenrouter.sampling_params import SamplingParams
 
@@ -34,6 +35,8 @@ class AdmittedPlan:
     # Its routing parameters, resolved once here: the group's defaults with the request's overrides
     # (RoutingAlgorithm.resolve_request); every model reads these.
     routing: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The runtime's fields of the request's `routing` object: a per-token trace, one model alone.
+    options: RequestOptions = RequestOptions()
 
     def model_params(self) -> SamplingParams:
         """What the subservers see: stop strings are matched at the entry, where the whole text is."""
@@ -81,7 +84,8 @@ class AdmissionRules:
               routing: Mapping[str, Any] | None, strict: bool) -> AdmittedPlan:
         """Raise ValueError (InvalidRequest where a request field is to blame, RoutingParamError for
         a routing parameter) naming the problem."""
-        resolved = self.resolve_routing(routing) if self.resolve_routing is not None else {}
+        options, overrides = split_routing(routing, list(self.pools))
+        resolved = self.resolve_routing(overrides) if self.resolve_routing is not None else {}
         n, ctx = len(prompt_ids), self.context_len
         if strict and requested is not None and n:
             if requested < 1:
@@ -109,8 +113,11 @@ class AdmissionRules:
         # A request that never leaves one model needs no reservation: that model's scheduler admits
         # what fits and preempts (recompute) under pressure, as a single-model server does. Only
         # hand-offs need room guaranteed ahead, because a PENDING request cannot be preempted.
+        if options.model is not None:  # it never leaves that model; reserved there all the same, so
+            reserve = {options.model: reserve[options.model]}  # the routed requests' reservations stay true
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        plan = AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {}, resolved)
+        plan = AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {}, resolved,
+                            options)
         try:  # it must fit the wire format (msgpack integers are 64-bit), or sending it would fail later
             encode(AddReq("", plan.prompt_ids, plan.model_params(), seed, resolved))
         except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -13,17 +13,20 @@ from __future__ import annotations
 import logging
 
 from tokenrouter.engine.model_runner import StepOutput
-from tokenrouter.routing.algorithm import Route, RoutingAlgorithm
+from tokenrouter.routing.algorithm import Route, RoutingAlgorithm, Scores
 
 logger = logging.getLogger(__name__)
 
 
-def checked_route(algorithm: RoutingAlgorithm, model: str, step: StepOutput) -> list[Route]:
-    """`algorithm.route` with its one promise checked: a Route per sampled request."""
-    routes = list(algorithm.route(model, step))
+def checked_route(algorithm: RoutingAlgorithm, model: str, step: StepOutput,
+                  traced: bool = False) -> tuple[list[Route], Scores | None]:
+    """`algorithm.route` (`route_traced` when a request of the step asked for a trace) with its one
+    promise checked: a Route per sampled request."""
+    routes, scores = algorithm.route_traced(model, step) if traced else (algorithm.route(model, step), None)
+    routes = list(routes)
     if len(routes) != len(step.reqs):
         raise ValueError(f"{algorithm.name}.route returned {len(routes)} routes for {len(step.reqs)} requests")
-    return routes
+    return routes, scores
 
 
 def step_row(step: StepOutput, i: int) -> StepOutput:
@@ -42,7 +45,7 @@ def route_each(algorithm: RoutingAlgorithm, model: str, step: StepOutput) -> lis
     routes: list[Route | None] = []
     for i, req in enumerate(step.reqs):
         try:
-            (route,) = checked_route(algorithm, model, step_row(step, i))
+            (route,), _ = checked_route(algorithm, model, step_row(step, i))
         except Exception:  # noqa: BLE001 - this request is one the algorithm fails on
             logger.exception("%s: %s.route failed on request %s alone", model, algorithm.name, req.rid)
             route = None

@@ -191,8 +191,10 @@ class Entry:
             while (req := self.admission.pop_admissible()) is not None:
                 req.admitted = True
                 plan = req.plan
-                self.pool.send(self.algorithm.entry_model,
-                               AddReq(req.wire, plan.prompt_ids, plan.model_params(), plan.seed, plan.routing))
+                alone = plan.options.model  # one model writes it all: it starts there
+                self.pool.send(alone or self.algorithm.entry_model,
+                               AddReq(req.wire, plan.prompt_ids, plan.model_params(), plan.seed, plan.routing,
+                                      plan.options.trace, alone is not None))
         finally:
             self._broadcast_active()
 

@@ -21,6 +21,8 @@ class AddReq(msgspec.Struct, tag="add"):
     # This request's routing parameters, resolved once at the entry (the group's defaults with the
     # request's overrides, RoutingAlgorithm.resolve_request); empty: the group's defaults.
     routing: dict[str, Any] = {}
+    trace: bool = False  # the request asked for a per-token trace (Trace on each of its tokens)
+    alone: bool = False  # one model writes it all (routing.model): no routing decision is taken
 
 
 class Abort(msgspec.Struct, tag="abort"):
@@ -66,14 +68,32 @@ class FirstVisit(msgspec.Struct):
     params: SamplingParams
     seed: int
     routing: dict[str, Any] = {}  # as AddReq.routing
+    trace: bool = False  # as AddReq.trace
 
 
-class Handoff(msgspec.Struct, array_like=True):
+class Trace(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A traced request's attribution of one token (on its TokenEvent), or, travelling with a hand-off,
+    what the peer's next token will carry.
+
+    path: the models the request passed through since its previous token, ending with the writer
+      ([] : no hand-off before this token; [small, large]: one, small to large; [large, small, large]:
+      two).
+    score, threshold: the router's score at this token's position and the threshold it was compared
+      with (None: the algorithm has none). At a position one model handed away without keeping its
+      token, the score is the one that handed it away."""
+
+    path: list[str] = []
+    score: float | None = None
+    threshold: float | None = None
+
+
+class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):
     """One request's hand-off (or its finish notice, when req.finished)."""
 
     req: PeerReq
     first: FirstVisit | None = None
     handoffs: int = 0  # the request's hand-offs so far, this one included (travels with the request)
+    trace: Trace | None = None  # traced requests only: for the peer's next token
 
 
 class Peer(msgspec.Struct, tag="peer"):
@@ -83,12 +103,13 @@ class Peer(msgspec.Struct, tag="peer"):
     items: list[Handoff]
 
 
-class TokenEvent(msgspec.Struct, array_like=True):
+class TokenEvent(msgspec.Struct, array_like=True, omit_defaults=True):
     rid: str
     pos: int  # absolute position in prompt + output
     token: int
     logprob: float | None = None
     top_logprobs: dict[int, float] | None = None
+    trace: Trace | None = None  # traced requests only
 
 
 class Tokens(msgspec.Struct, tag="tokens"):

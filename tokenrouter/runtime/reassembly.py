@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 from tokenrouter.engine.stop_strings import find_stop, held_back
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer
 from tokenrouter.runtime.admission import AdmittedPlan
-from tokenrouter.runtime.messages import TokenEvent
+from tokenrouter.runtime.messages import TokenEvent, Trace
 
 
 class TokenOut(NamedTuple):
@@ -31,6 +31,7 @@ class TokenOut(NamedTuple):
     # On the first token of a request that asked for prompt logprobs: (logprob of each prompt token from
     # the second on, the top ones at each of those positions).
     prompt_logprobs: tuple[list[float], list[dict[int, float]]] | None = None
+    trace: Trace | None = None  # when the request asked for a per-token trace (routing.trace)
 
 
 class Done(NamedTuple):
@@ -111,7 +112,7 @@ class Reassembly:
                 self._add_text(item.token)
             top = (item.top_logprobs or {}) if item.logprob is not None else None
             tok = TokenOut(self.rid, item.token, model, self.release(), item.logprob, top,
-                           None if self.tokens else self.prompt_logprobs)
+                           None if self.tokens else self.prompt_logprobs, item.trace)
             self.tokens.append(tok)
             out.append(tok)
         return out

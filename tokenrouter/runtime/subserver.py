@@ -28,7 +28,8 @@ from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_trace import StepTraceWriter
-from tokenrouter.routing import PeerReq, Route, make_algorithm
+from tokenrouter.routing import STAY, PeerReq, Route, make_algorithm
+from tokenrouter.runtime.attribution import Attribution
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.containment import checked_route, route_each
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
@@ -51,6 +52,7 @@ from tokenrouter.runtime.messages import (
     TokenEvent,
     Tokens,
     Topology,
+    Trace,
     decode,
     encode,
 )
@@ -109,6 +111,8 @@ class Subserver:
         self.pending_since: dict[str, float] = {}
         self.aborted: dict[str, float] = {}
         self.prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs the entry still awaits
+        self.attribution = Attribution(self.name)  # the requests that asked for a per-token trace
+        self.alone: set[str] = set()  # requests this model writes alone (routing.model): never routed
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
         self.aborted_requests = 0  # live requests ended here by an Abort (a client gone, a time limit, a peer failed)
@@ -235,6 +239,10 @@ class Subserver:
             self.handoffs_of[msg.rid] = 0
             if msg.params.prompt_logprobs is not None:
                 self.prompt_logprobs_due.add(msg.rid)
+            if msg.alone:
+                self.alone.add(msg.rid)
+            if msg.trace:
+                self.attribution.start(msg.rid, scored=not msg.alone)
             self._start(req, msg.routing)
         elif isinstance(msg, Peer):
             for item in msg.items:
@@ -302,6 +310,8 @@ class Subserver:
         self.known.pop(rid, None)
         self.handoffs_of.pop(rid, None)
         self.prompt_logprobs_due.discard(rid)
+        self.attribution.forget(rid)
+        self.alone.discard(rid)
         since = self.pending_since.pop(rid, None)
         if since is not None:
             self.pending_seconds += time.monotonic() - since
@@ -339,6 +349,8 @@ class Subserver:
                 self._send(self.to_entry, ReqError(self.name, rid, str(e)))
                 return
             self.known[rid] = {}
+            if msg.first.trace:
+                self.attribution.start(rid)
             self._start(req, msg.first.routing)
             if rid not in eng.reqs:
                 return  # on_start failed on it
@@ -349,6 +361,7 @@ class Subserver:
                 self.pending_seconds += time.monotonic() - since
         self.known[rid][sender] = peer.loc + len(peer.suffix)
         self.handoffs_of[rid] = msg.handoffs
+        self.attribution.received(rid, msg.trace)
 
     def _step(self) -> bool:
         """Run one step if the scheduler launches one; whether it did."""
@@ -374,14 +387,17 @@ class Subserver:
             return True
         routes: list[Route | None]
         try:
-            routes = list(checked_route(self.algorithm, self.name, out))
+            routes, scores = checked_route(self.algorithm, self.name, out,
+                                           traced=self.attribution.traced and self.attribution.wants(out.reqs))
         except Exception:  # noqa: BLE001 - the routing failed, not the model: find the requests it fails on
             logger.exception("%s: %s.route failed on a batch of %d; routing each alone", self.name,
                              self.algorithm.name, len(out.reqs))
-            routes = route_each(self.algorithm, self.name, out)
+            routes, scores = route_each(self.algorithm, self.name, out), None
             for req, route in zip(out.reqs, routes):
                 if route is None:
                     self._algorithm_failed(req.rid, "route")
+        if self.alone:
+            routes = [STAY if route is not None and r.rid in self.alone else route for r, route in zip(out.reqs, routes)]
         # A request samples once its prefill is done, so its prompt logprobs are complete: they go out
         # before any of its tokens. Most steps have none due: no per-request pass then.
         if self.prompt_logprobs_due:
@@ -401,7 +417,8 @@ class Subserver:
             if route.dest is None or route.keep:
                 try:  # stop strings, grammar: per-request work that may raise on this request's data
                     eng.append_token(req, tok, now, out, i)
-                    event = self._event(req, out, i)
+                    trace = self.attribution.token(req.rid, scores, i) if self.attribution.traced else None
+                    event = self._event(req, out, i, trace)
                 except Exception:  # noqa: BLE001 - fail this request, not the step
                     logger.exception("%s: committing a token of request %s failed", self.name, req.rid)
                     self._fail(req.rid, "commit")
@@ -411,6 +428,8 @@ class Subserver:
                     finished.append(req)
                     continue
             if route.dest is not None:
+                if self.attribution.traced:
+                    self.attribution.handing(req.rid, route, scores, i)
                 handoffs.append((req, route.dest))
         t3 = time.perf_counter() if tracing else 0.0
         self.tokens_written += len(events)
@@ -448,17 +467,19 @@ class Subserver:
         self.trace.write_stages(self.index, start, stages)
 
     @staticmethod
-    def _event(req: Req, out: StepOutput, row: int) -> TokenEvent:
+    def _event(req: Req, out: StepOutput, row: int, trace: Trace | None = None) -> TokenEvent:
         lp = top = None
         if req.params.logprobs is not None and out.logprobs is not None:
             lp = out.logprobs[row]
             top = out.top_logprobs[row] if out.top_logprobs is not None else None
-        return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top)
+        return TokenEvent(req.rid, len(req.tokens) - 1, req.tokens[-1], lp, top, trace)
 
     def _finished(self, req: Req, notices: dict[str, list[Handoff]]) -> None:
         """Tell the entry (in the next step's overlap), and add a finish notice for each peer that
         holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
+        self.attribution.forget(req.rid)
+        self.alone.discard(req.rid)
         try:
             self.algorithm.finish(req)
         except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
@@ -479,14 +500,14 @@ class Subserver:
         first = None
         if dest not in known:
             first = FirstVisit(req.prompt_len, dataclasses.replace(req.params, prompt_logprobs=None), req.seed,
-                               self.algorithm.params_of.get(req.rid, {}))
+                               self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         self.engine.scheduler.set_pending(req)
         self.pending_since[req.rid] = now
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        return Handoff(peer, first, self.handoffs_of[req.rid])
+        return Handoff(peer, first, self.handoffs_of[req.rid], self.attribution.sent(req.rid))
 
     def stats(self) -> Stats:
         eng = self.engine

@@ -23,9 +23,10 @@ from tokenrouter import __version__
 from tokenrouter.server.async_entry import AsyncEntry, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
 from tokenrouter.server.choices import ChoiceRunner
-from tokenrouter.server.generation import finish_reason, routing, total_routing, usage
+from tokenrouter.server.generation import finish_reason, routing, total_routing, trace_entries, usage
 from tokenrouter.server.logprobs import LogprobFormat
 from tokenrouter.server.metrics import ServerMetrics
+from tokenrouter.server.page import mount_ui
 from tokenrouter.server.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -53,6 +54,7 @@ class ServerConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     tokenizer_threads: int = 2  # the pool that tokenises prompts, off the event loop
     chat_special_tokens: SpecialTokens = "escape"  # see server/chat.py
+    ui: bool = True  # serve the routing page at / (server/ui/)
 
     def __post_init__(self) -> None:
         if self.tokenizer_threads < 1:
@@ -157,6 +159,7 @@ class OpenAIServer:
                                    lambda cap: body.sampling(cap, body.logprobs, body.prompt_logprobs), body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
+        traced = gens[0].traced
         model_name = self.cfg.model_name
         # echo: each choice's text opens with its prompt's text
         echoed = ([p if isinstance(p, str) else self.tokenizer.decode(p) for p in prompts for _ in range(n)]
@@ -176,8 +179,11 @@ class OpenAIServer:
                 head = self.logprobs.prompt(encoded[i // n], toks[0].prompt_logprobs if toks else None)
                 logprobs = {key: head[key] + logprobs[key] for key in head}
                 text = echoed[i] + text
-            return completion_chunk(rid, created, model_name, i, text, reason, logprobs,
-                                    [t.token for t in toks] if body.return_token_ids else None)
+            out = completion_chunk(rid, created, model_name, i, text, reason, logprobs,
+                                   [t.token for t in toks] if body.return_token_ids else None)
+            if traced:
+                out["choices"][0]["trace"] = trace_entries(toks)
+            return out
 
         if body.stream:
             every = want_lp or body.return_token_ids
@@ -209,6 +215,7 @@ class OpenAIServer:
                                    lambda cap: body.sampling(cap, logprobs), body.routing)
         rid, created = "chat" + gens[0].stream.rid, int(time.time())
         first = [True] * len(gens)
+        traced = gens[0].traced
         model_name = self.cfg.model_name
 
         def chunk(i: int, toks: list[TokenOut], text: str, reason: str | None) -> dict[str, Any]:
@@ -216,9 +223,12 @@ class OpenAIServer:
             if first[i]:
                 delta = {"role": "assistant", **delta}
                 first[i] = False
+            choice = {"index": i, "delta": delta, "finish_reason": reason,
+                      "logprobs": self.logprobs.chat(toks) if logprobs is not None else None}
+            if traced:
+                choice["trace"] = trace_entries(toks)
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-                    "choices": [{"index": i, "delta": delta, "finish_reason": reason,
-                                 "logprobs": self.logprobs.chat(toks) if logprobs is not None else None}]}
+                    "choices": [choice]}
 
         if body.stream:
             return StreamingResponse(self.choices.stream_events(gens, body.n, chunk, body.usage_options(),
@@ -231,7 +241,7 @@ class OpenAIServer:
             choices.append({"index": i, "message": {"role": "assistant", "content": gen.text},
                             "finish_reason": finish_reason(gen.done),
                             "logprobs": self.logprobs.chat(gen.tokens) if logprobs is not None else None,
-                            "routing": routing(gen)})
+                            "routing": routing(gen), **({"trace": trace_entries(gen.tokens)} if traced else {})})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": choices, "usage": usage(gens, body.n), "routing": total_routing(gens)})
@@ -275,7 +285,10 @@ class OpenAIServer:
     async def models(self, request: Request) -> Response:
         """vLLM's model card: clients read `root` (`vllm bench serve` without --model fails on a card
         without it, and loads its tokenizer from there when not given --tokenizer). Here root is the
-        folder the server's tokenizer comes from; `members` (extension) names the group's models."""
+        folder the server's tokenizer comes from; `members` (extension) names the group's models, and
+        `routing` (extension) the algorithm: its per-request parameters with the group's values, the
+        one that sets the other models' share (`share_knob`, and whether raising it raises the share),
+        and what its per-token score is (`score`, None: it has none)."""
         self.check_auth(request)
         entry = self.runtime.entry
         root = self.runtime.group.spec(entry.algorithm.entry_model).engine.model_path if entry else None
@@ -287,7 +300,16 @@ class OpenAIServer:
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                             "allow_fine_tuning": False, "organization": "*", "group": None,
                             "is_blocking": False}],
-            "members": self.runtime.group.names}]})
+            "members": self.runtime.group.names, "routing": self.routing_card()}]})
+
+    def routing_card(self) -> dict[str, Any] | None:
+        entry = self.runtime.entry
+        if entry is None:
+            return None
+        algo = entry.algorithm
+        knob = algo.share_knob
+        return {"algorithm": algo.name, "params": algo.request_defaults(), "score": algo.score_name,
+                "share_knob": knob[0] if knob else None, "knob_raises_share": knob[1] if knob else None}
 
     async def health(self) -> Response:
         if self.runtime.healthy:
@@ -326,4 +348,6 @@ def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI
     app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     app.add_api_route("/version", server.version, methods=["GET"])
+    if cfg.ui:
+        mount_ui(app)
     return app

@@ -35,7 +35,8 @@ class ChoiceRunner:
     def submit(self, ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams],
                routing: dict[str, Any] | None = None) -> Generation:
         try:
-            return Generation(self.runtime.submit(self.runtime.admit(ids, max_tokens, sampling, routing)))
+            plan = self.runtime.admit(ids, max_tokens, sampling, routing)
+            return Generation(self.runtime.submit(plan), plan.options.trace)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
         except RoutingParamError as e:

@@ -15,8 +15,9 @@ from tokenrouter.server.async_entry import Done, RequestStream, TokenOut
 class Generation:
     """The outcome of one choice, gathered as events arrive."""
 
-    def __init__(self, stream: RequestStream) -> None:
+    def __init__(self, stream: RequestStream, traced: bool = False) -> None:
         self.stream = stream
+        self.traced = traced  # the request asked for a per-token trace (routing.trace)
         self.tokens: list[TokenOut] = []
         self.done: Done | None = None
         self.text = ""
@@ -102,6 +103,20 @@ def routing(gen: Generation, writers: bool = False) -> dict[str, Any]:
                            "params": (gen.done.routing or {}) if gen.done else {}}
     if writers:
         out["token_models"] = [t.model for t in gen.tokens]
+    return out
+
+
+def trace_entries(tokens: list[TokenOut]) -> list[dict[str, Any]]:
+    """The per-token trace of a traced request's tokens (the choice's `trace` field): each token's id,
+    the text released with it, its writer, the models the request passed through just before it
+    (`handoff`, ending with the writer; [] for none) and the router's score and threshold there."""
+    out = []
+    for t in tokens:
+        tr = t.trace
+        out.append({"token": t.token, "text": t.text, "model": t.model,
+                    "handoff": list(tr.path) if tr is not None else [],
+                    "score": tr.score if tr is not None else None,
+                    "threshold": tr.threshold if tr is not None else None})
     return out
 
 

@@ -92,7 +92,8 @@ class _Sampling(_Strict):
     # "strict"?, "description"?}}: the output follows the grammar (OpenAI; vLLM takes it on both endpoints)
     response_format: dict[str, Any] | None = None
     # Extension: this request's routing parameters (e.g. {"threshold": 0.3} for R2R), checked by the
-    # group's algorithm; the group's values are the defaults.
+    # group's algorithm; the group's values are the defaults. The runtime's own fields: "trace" (a
+    # per-token trace in each choice) and "model" (one model writes it alone), routing/request_options.py.
     routing: dict[str, Any] | None = None
 
     def stop_strings(self) -> list[str]:
