@@ -1,5 +1,6 @@
 """Train the small model of a routed pair, distilled from the large model (the teacher) on
-chat-formatted CHAMP solutions; it shares the teacher's tokenizer.
+chat-formatted CHAMP solutions and on the teacher's own answers to training problems of the tasks the
+pair is judged on (sequence-level distillation: large_answers.py); it shares the teacher's tokenizer.
 
 By default the student is **carved** from the teacher: a few of its layers (the first two and the
 last) at full width, with its embedding, final norm and tied LM head, then healed by distillation.
