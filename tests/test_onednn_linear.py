@@ -30,6 +30,15 @@ def test_packed_linear_equals_f_linear(rows: int, k: int, n: int) -> None:
     assert torch.allclose(out, ref, rtol=1e-5, atol=1e-4 * k ** 0.5)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 70])
+def test_packed_head_equals_f_linear(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=gen), torch.randn(5000, 96, generator=gen)
+    out = onednn_linear.head_logits(x, onednn_linear.pack_head(w))
+    assert out.shape == (rows, 5000)
+    assert torch.allclose(out, F.linear(x, w), rtol=1e-5, atol=1e-4 * 96 ** 0.5)
+
+
 def test_row_blocks_are_a_fixed_set_covering_every_row() -> None:
     allowed = set(range(1, onednn_linear.MAX_EXACT_ROWS + 1)) | set(onednn_linear.BLOCK_ROWS)
     assert len(allowed) == onednn_linear.MAX_EXACT_ROWS + len(onednn_linear.BLOCK_ROWS)
@@ -59,7 +68,8 @@ def test_engine_on_packed_linears_matches_f_linear(arch: str, model_paths) -> No
     tokens: dict[str, dict[str, list[int]]] = {b: {} for b in engines}
     for b, eng in engines.items():
         for i, p in enumerate(prompts):
-            eng.add_request(p, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), rid=f"r{i}")
+            # different lengths: the last steps decode at batch 1 (the head's one-row path)
+            eng.add_request(p, SamplingParams(max_tokens=18 + 2 * i, temperature=0.0, ignore_eos=True), rid=f"r{i}")
         step = 0
         while eng.has_unfinished():
             if step == 3:
@@ -74,6 +84,7 @@ def test_engine_on_packed_linears_matches_f_linear(arch: str, model_paths) -> No
                 tokens[b][req.rid] = list(req.tokens)
     assert tokens["aten"] == tokens["onednn"]
     assert len(logits["aten"]) == len(logits["onednn"]) > 0
+    assert {1, len(prompts)} <= {rows.shape[0] for rows in logits["onednn"]}
     for a, o in zip(logits["aten"], logits["onednn"]):
         assert (a - o).abs().max().item() <= 1e-4
 

@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        self.lm_head_packed: torch.Tensor | None = None  # pack_linear_weights
+        self.lm_head_packed: onednn_linear.PackedHead | None = None  # pack_linear_weights
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -146,9 +146,9 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 module.packed = onednn_linear.pack(module.weight)
                 pairs.append((module.weight, module.packed))
-        self.lm_head_packed = onednn_linear.pack(self.lm_head_weight)
+        self.lm_head_packed = onednn_linear.pack_head(self.lm_head_weight)
         onednn_linear.warm_up(pairs, max_step_rows)
-        onednn_linear.warm_up([(self.lm_head_weight, self.lm_head_packed)], max_sampled_rows)
+        onednn_linear.warm_up([(self.lm_head_weight, self.lm_head_packed.packed)], max_sampled_rows)
 
     # ---- loading ---------------------------------------------------------------------------
     def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:
