@@ -130,7 +130,8 @@ def worker(args: argparse.Namespace) -> dict:
         elif phase.startswith("extend-"):
             e = int(phase.removeprefix("extend-"))
             rounds = sizes["extend_rounds"]
-            reqs = [eng.add_request(x, params(10_000)) for x in _prompts(rng, vocab, sizes["extend_reqs"], sizes["prompt"])]
+            prompts = _prompts(rng, vocab, sizes["extend_reqs"], sizes["prompt"])
+            reqs = [eng.add_request(x, params(10_000)) for x in prompts]
             while any(r.num_output == 0 for r in reqs):
                 eng.step()
 
