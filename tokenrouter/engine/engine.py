@@ -123,7 +123,8 @@ class Engine:
             self.model = _on_every_rank(tp, "loading its weights", lambda: load_model(
                 cfg.model_path, self.dtype, self.device, tp.group if tp else None))
             if cfg.packs_linears(self.device, self.dtype, onednn_linear.available()):
-                self.model.pack_linear_weights()
+                self.model.pack_linear_weights(max(cfg.chunked_prefill_size, cfg.max_running_requests),
+                                               cfg.max_running_requests)
         self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -3,19 +3,28 @@
 PyTorch's `F.linear` on CPU multiplies the weight in its stored layout for every call; at the small
 row counts of decoding (one row per running request) that leaves most of a core's throughput unused.
 oneDNN reorders the weight once, at load, into the blocked layout its kernels stream from: measured on
-SmolLM2-135M's shapes at 8 and 32 rows, 2.4-2.7x faster per matmul (docs/BENCHMARKS.md, issue 15),
-which is where vLLM's CPU build takes its lead. The arithmetic is the same sum in another order.
+SmolLM2-135M's shapes at 8 and 32 rows, 2.4-2.7x faster per matmul, and 1.1-1.6x at 64 to 2048 rows
+(prefill chunks and batched catch-up extends; docs/BENCHMARKS.md). The arithmetic is the same sum in
+another order.
 
-oneDNN keeps a primitive and a scratchpad per input shape, about 1.3 MB of resident memory per row
-count and weight shape, measured: a server whose batches take every row count up to the chunked
-prefill size would grow by gigabytes. So only decode-sized inputs (at most MAX_ROWS rows) run here,
-larger ones (prefill chunks, where F.linear is efficient) stay on F.linear, and `warm_up` visits every
-row count once at load, so resident memory reaches its plateau before serving starts.
+oneDNN keeps a primitive per input shape, with its own memory (about 0.6 MB per row count and layer
+weight shape, measured on SmolLM2's shapes): a server whose steps took every row count up to the
+chunked prefill size would grow by gigabytes. So products run only at a fixed set of row counts:
+every count up to MAX_EXACT_ROWS (decode batches, run whole), and larger inputs cut into blocks of
+BLOCK_ROWS rows plus a tail of at most MAX_EXACT_ROWS rows (a tail of 65-127 rows as 64 and the rest).
+No row is padded: every tail already has its primitive. So each weight shape has at most
+MAX_EXACT_ROWS + len(BLOCK_ROWS) primitives, and `warm_up` creates them at load, so resident memory
+reaches its plateau before serving starts.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+MAX_EXACT_ROWS = 64
+BLOCK_ROWS = (2048, 1024, 512, 256, 128)  # largest first; per-row cost is flat from 256 rows (measured)
 
 
 def available() -> bool:
@@ -27,20 +36,65 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-MAX_ROWS = 64
+def row_blocks(rows: int) -> list[int]:
+    """The row counts a product over `rows` input rows runs as, in order (they sum to `rows`)."""
+    out = []
+    for block in BLOCK_ROWS:
+        while rows - block >= 0 and rows > MAX_EXACT_ROWS:
+            out.append(block)
+            rows -= block
+    if rows > MAX_EXACT_ROWS:  # 65..127 left: no block fits
+        out.append(MAX_EXACT_ROWS)
+        rows -= MAX_EXACT_ROWS
+    if rows:
+        out.append(rows)
+    return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if x.shape[0] > MAX_ROWS:
-        return torch.nn.functional.linear(x, weight, bias)
+def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Run each distinct weight shape of (weight, packed) pairs at every row count up to MAX_ROWS
-    (twice: oneDNN's memory settles on the second pass, measured)."""
-    shapes = {tuple(w.shape): (w, p) for w, p in weights}
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] times the packed weight (plus bias), at the fixed row counts of `row_blocks`."""
+    rows = x.shape[0]
+    if rows <= MAX_EXACT_ROWS:
+        return _product(x, packed, bias)
+    x = x.contiguous()
+    parts, start = [], 0
+    for n in row_blocks(rows):
+        parts.append(_product(x[start:start + n], packed, bias))
+        start += n
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class PackedHead(NamedTuple):
+    """The output head for oneDNN, and the same weight transposed to [in, out] for one-row inputs:
+    a decode step at batch 1 (a routed pair at concurrency 1) multiplies one row by the whole
+    vocabulary, and that matrix-vector product streams the transposed copy 1.5-2x faster than
+    oneDNN's packed layout (SmolLM2's 49,152 x 576 head: 9-13 ms against 17-20, measured; at 2 rows
+    and more oneDNN is faster). It costs one more copy of the head (vocab x hidden floats)."""
+
+    packed: torch.Tensor
+    transposed: torch.Tensor
+
+
+def pack_head(weight: torch.Tensor) -> PackedHead:
+    return PackedHead(pack(weight), weight.detach().t().contiguous())
+
+
+def head_logits(hidden: torch.Tensor, head: PackedHead) -> torch.Tensor:
+    if hidden.shape[0] == 1:
+        return hidden @ head.transposed
+    return linear(hidden, head.packed, None)
+
+
+def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> None:
+    """Run each distinct weight shape of (weight, packed) pairs at every row count it can see in
+    inputs of up to `max_rows` rows (twice: oneDNN's memory settles on the second pass, measured)."""
+    shapes = {tuple(w.shape): p for w, p in weights}
+    counts = list(range(1, min(max_rows, MAX_EXACT_ROWS) + 1)) + [b for b in BLOCK_ROWS if b <= max_rows]
     for _ in range(2):
-        for rows in range(1, MAX_ROWS + 1):
-            for w, p in shapes.values():
-                linear(w.new_zeros(rows, w.shape[1]), w, p, None)
+        for rows in counts:
+            for (_, width), p in shapes.items():
+                _product(torch.zeros(rows, width), p, None)

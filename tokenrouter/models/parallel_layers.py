@@ -37,7 +37,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return onednn_linear.linear(x, self.weight, self.packed, self.bias)
+            return onednn_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -52,7 +52,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return onednn_linear.linear(x, self.weight, self.packed, self.bias)
+            return onednn_linear.linear(x, self.packed, self.bias)
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
@@ -92,10 +92,10 @@ class ParallelLMHead(nn.Module):
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup,
-                    packed: torch.Tensor | None = None) -> torch.Tensor:
+                    packed: onednn_linear.PackedHead | None = None) -> torch.Tensor:
     """Full logits [N, V] on every rank from each rank's vocabulary shard of the output weight
-    (`packed`: that weight prepacked for oneDNN)."""
-    local = hidden @ weight.t() if packed is None else onednn_linear.linear(hidden, weight, packed, None)
+    (`packed`: that weight prepacked, models/onednn_linear.py)."""
+    local = hidden @ weight.t() if packed is None else onednn_linear.head_logits(hidden, packed)
     if tp.size == 1:
         return local
     return tp.all_gather(local, dim=-1)[:, :vocab_size]
