@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tokenrouter import __version__
+from tokenrouter.version import __version__
 from tokenrouter.server.async_entry import AsyncEntry, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
 from tokenrouter.server.choices import ChoiceRunner
