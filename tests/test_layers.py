@@ -144,3 +144,23 @@ def test_the_walk_sees_function_level_and_relative_imports(tmp_path):
     tree_path.write_text(source)
     found = imports_of("tokenrouter.engine.layer_probe", tree_path, known)
     assert found == {"tokenrouter.training.default_model", "tokenrouter.engine.engine"}
+
+
+def test_the_offline_api_takes_its_default_model_from_the_registry():
+    """LLM() with no model asks the resolver a layer above registered (the package's face registers the
+    embedded default), instead of importing the training layer itself."""
+    import tokenrouter
+    from tokenrouter.llm import LLM, register_default_model
+
+    asked = []
+    register_default_model(lambda: asked.append(1) or str(ROOT / "no-such-model"))
+    try:
+        try:
+            LLM()
+        except Exception as e:  # noqa: BLE001 - whatever the loader raises, it must name the registered path
+            assert "no-such-model" in str(e)
+        else:
+            raise AssertionError("LLM() loaded a model that does not exist")
+    finally:
+        register_default_model(tokenrouter.embedded_default_model)
+    assert asked == [1]
