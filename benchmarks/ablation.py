@@ -1,4 +1,4 @@
-"""The paper's ablation on the latency-model executor, and the planner checked against it (issue 7).
+"""The paper's ablation on the latency-model executor, and the planner checked against it.
 
 Ablation: step-synchronous -> asynchronous (B = 1) -> asynchronous + delayed batching (the planner's
 B), with throughput, per-user speed and the share of the zero-wait bound N / (t_S + p t_L):

@@ -1,5 +1,5 @@
 """Other projects' serving benchmarks, unchanged, against `tokenrouter serve`, next to `tokenrouter bench`
-on the same load (issue 20): `vllm bench serve --backend openai / openai-chat --dataset-name random`,
+on the same load: `vllm bench serve --backend openai / openai-chat --dataset-name random`,
 SGLang's `bench_serving --backend sglang-oai / sglang-oai-chat --dataset-name random-ids`, and ours
 (`tokenrouter bench run --workload random`). Every client: --num-prompts requests, closed loop at
 --max-concurrency, prompts of --input-len random token ids, exactly --output-len output tokens (EOS

@@ -1,6 +1,6 @@
 """Offline throughput: our engine vs Hugging Face transformers on the same random-weight model.
 
-Workload (issue 2): N requests of P random prompt tokens each, every request generating exactly O tokens
+Workload: N requests of P random prompt tokens each, every request generating exactly O tokens
 (greedy, EOS ignored). The metric is output tokens per second: total output tokens divided by the wall
 time of one `generate` call, prefill included. Each system first runs a short warm-up that is not
 counted, and each system runs in its own subprocess, one after another, with one torch thread.

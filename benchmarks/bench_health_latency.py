@@ -1,4 +1,4 @@
-"""/health latency while maximum-size prompts are tokenised (issue 16, defect 3).
+"""/health latency while maximum-size prompts are tokenised.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_health_latency.py [--model-path DIR]
 
@@ -6,7 +6,7 @@ Starts `tokenrouter serve` (a random-weight Llama with the repository's test tok
 --model-path names a model folder), sends --concurrent prompts of --max-prompt-chars characters each
 (the largest the server accepts), and polls /health every 50 ms while they are tokenised. Prompt
 tokenisation runs in the server's tokenizer thread pool, so /health should answer within a second;
-before issue 16 it ran on the event loop and /health waited for it.
+before, it ran on the event loop and /health waited for it.
 """
 
 from __future__ import annotations

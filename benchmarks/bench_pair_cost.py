@@ -2,7 +2,7 @@
 
 Both engines live in this process on one torch thread; their decode steps are timed in alternating
 rounds (small, large, small, ...) so that whatever else runs on the machine weighs on both alike,
-and the median over rounds is reported with the ratio (issue 18's target: small <= 0.3 of large).
+and the median over rounds is reported with the ratio (the target: small <= 0.3 of large).
 
     python benchmarks/bench_pair_cost.py [--rounds 5] [--steps 20] [--batch-sizes 1 8]
 """

@@ -1,4 +1,4 @@
-"""Router inference cost against the model's decode step, per batch size (issue 4).
+"""Router inference cost against the model's decode step, per batch size.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_router_cost.py
 
@@ -40,7 +40,7 @@ def decode_step(engine: Engine, batch: int, steps: int) -> float:
     while any(r.kv_len < r.prompt_len for r in engine.reqs.values()):
         engine.step()
     t = timed(engine.step, steps)
-    engine.close()
+    engine.abort_all()
     engine.cache.reset()
     return t
 

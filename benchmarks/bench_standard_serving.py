@@ -1,4 +1,4 @@
-"""Standard serving vs tokenrouter (issue 8): the same two models and the same Bernoulli router,
+"""Standard serving vs tokenrouter: the same two models and the same Bernoulli router,
 served (a) by our routed runtime and (b) the standard-serving way: each model in its own plain
 single-model server and an outside coordinator that asks for one token per request
 (`tokenrouter.bench.baselines.standard`).

@@ -1,4 +1,4 @@
-"""Per-token cost of stop-string matching (issue 16, defect 4).
+"""Per-token cost of stop-string matching.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_stop_strings.py
 

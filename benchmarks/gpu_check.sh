@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 15, in one run of under 10 minutes on one CUDA GPU (not yet run anywhere):
+# The GPU check, in one run of under 10 minutes on one CUDA GPU (not yet run anywhere):
 #   1. the CUDA parity tests (our logits against transformers on CUDA, float32 and bfloat16),
 #   2. CUDA graph capture: graphs against the eager step (same greedy tokens, logits within 1e-4,
 #      every bucket, a padded one, prefix hits, preemption, a PENDING request),

@@ -1,4 +1,4 @@
-"""Issue 16's hostile-client probes, repeated against a running `tokenrouter serve` (docs/RELIABILITY.md).
+"""The hostile-client probes, repeated against a running `tokenrouter serve` (docs/RELIABILITY.md).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/hostile_client.py [--model-path DIR]
 

@@ -1,4 +1,4 @@
-"""`tokenrouter bench compare` at paper scale on the latency-model executor (issue 8).
+"""`tokenrouter bench compare` at paper scale on the latency-model executor.
 
 Every system waits the step latencies of a paper-derived profile (Qwen3-0.6B and Qwen3-32B on A100s),
 while HTTP, tokenising, scheduling, KV bookkeeping and transport run for real. The models' folders
@@ -9,7 +9,7 @@ give only a config and SmolLM2's tokenizer (real BPE, so CHAMP prompts are about
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/paper_compare.py --systems tokenrouter,standard \\
         --num-requests 8 --max-tokens 2048      # then --max-tokens 8192: the 4x output cap
 
-`--predict` adds, per concurrency, what the profile alone allows (issue 17's targets): the small
+`--predict` adds, per concurrency, what the profile alone allows (the runtime's targets): the small
 model's N / t_S, the planner's continuous chain for the eager routed pair (B = 1, the profile's
 catch-up tokens, no runtime overhead) and the zero-wait bound N / (t_S + p t_L).
 """

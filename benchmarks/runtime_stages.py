@@ -1,4 +1,4 @@
-"""The runtime's own cost per step, by stage (issue 17), on the latency-model executor.
+"""The runtime's own cost per step, by stage, on the latency-model executor.
 
 For each batch size N, N requests run at once (prompts of ~16 tokens, `--max-tokens` each) through
 the entry with text release on (as the server runs it), once for the small model alone and once for

@@ -1,4 +1,4 @@
-"""Throughput against concurrency on the latency-model executor at paper scale (issue 8): the routed
+"""Throughput against concurrency on the latency-model executor at paper scale: the routed
 runtime with the planner's thresholds, and the step-synchronous baseline, from 1 to 64 requests.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py --profile profiles/paper_qwen3_0.6b_32b_a100.json

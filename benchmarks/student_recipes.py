@@ -1,11 +1,11 @@
-"""The small model's recipes side by side: held-out cross-entropy against decode cost (issue 18).
+"""The small model's recipes side by side: held-out cross-entropy against decode cost.
 
 Each recipe trains a student of SmolLM2-135M-Instruct with `train_student` (the same training
 sequences, teacher top-k targets, steps and schedule; only the student's starting point differs),
 into a temporary folder; then every student and SmolLM2 are timed in our engine in alternating rounds
 (tokenrouter.bench.decode_cost). Printed: per recipe its parameters, the held-out CE (16 x 256 tokens
 of held-out CHAMP solutions), its training time, and its decode step against SmolLM2's at batch 1
-and 8. Issue 18's target: CE <= 3.5 at a decode cost <= 0.3 of SmolLM2's.
+and 8. The target: CE <= 3.5 at a decode cost <= 0.3 of SmolLM2's.
 
 Run alone on the machine (training uses every core; one torch thread for the timing):
 

@@ -111,14 +111,14 @@ class Rig:
             for name, sub in self.subs.items():
                 sock = self.ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(sub.address)
+                sock.connect(sub.io.address)
                 self.out[name] = sock
             # As the entry does once every model is ready: tell each where its peers listen.
-            topology = Topology({n: s.address for n, s in self.subs.items()})
+            topology = Topology({n: s.io.address for n, s in self.subs.items()})
             for name, sub in self.subs.items():
                 self.send(name, topology)
                 peers = set(self.subs) - {name}
-                self.drain_until(name, lambda sub=sub, peers=peers: set(sub.to_peer) == peers, "topology")
+                self.drain_until(name, lambda sub=sub, peers=peers: set(sub.io.to_peer) == peers, "topology")
         except BaseException:
             self.close()
             raise
@@ -184,7 +184,7 @@ class Rig:
 
     def take_inbox(self, name: str, timeout: float = 10.0) -> bytes:
         """Pull the next raw message off a subserver's inbox without handling it (to hold it in flight)."""
-        sock = self.subs[name].inbox
+        sock = self.subs[name].io.inbox
         if not sock.poll(int(timeout * 1000)):
             raise AssertionError(f"no message reached {name} within {timeout} s")
         return sock.recv()
@@ -195,7 +195,7 @@ class Rig:
     def step(self, name: str) -> None:
         """One step, its messages sent (the loop sends them during the next step or before it waits)."""
         self.subs[name]._step()
-        self.subs[name]._flush()
+        self.subs[name].io.flush()
 
     def pump(self, done: Callable[[], bool], what: str, max_rounds: int = 2000, timeout: float = 30.0) -> None:
         """Run both subservers (drain, step) until done(); bounded in rounds and time."""
@@ -209,6 +209,7 @@ class Rig:
             busy = any(s.engine.scheduler.has_work() for s in self.subs.values())
             for sub in self.subs.values():
                 sub._drain(timeout_ms=0 if busy else 5)
+                sub.states.check_integrity(sub.engine.reqs)  # hand-off state matches the live requests, mid-flight too
                 if sub.engine.scheduler.has_work():
                     sub._step()
         raise AssertionError(f"pump: {what} not reached within {max_rounds} rounds / {timeout} s")
@@ -224,7 +225,7 @@ class Rig:
     def assert_clean(self, name: str) -> None:
         """No live request and no page held outside the free list and the (unlocked) prefix cache."""
         eng = self.subs[name].engine
-        eng.check_integrity()
+        self.subs[name].check_integrity()
         assert not eng.reqs, f"{name} still holds {sorted(eng.reqs)}"
         assert not eng.scheduler.running and not eng.scheduler.waiting, f"{name} scheduler not empty"
         assert eng.cache.locked_pages == 0, f"{name}: {eng.cache.locked_pages} cache pages still locked"
@@ -232,7 +233,7 @@ class Rig:
 
     def close(self) -> None:
         for sub in self.subs.values():
-            sub.engine.close()
+            sub.engine.abort_all()
             sub.close()
         for sock in (self.entry, *self.out.values()):
             sock.close(linger=0)

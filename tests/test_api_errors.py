@@ -1,4 +1,4 @@
-"""Error bodies and chat special tokens, in process (issue 16, defects 6 and 7): an internal failure
+"""Error bodies and chat special tokens, in process: an internal failure
 answers in the OpenAI shape with a request id and no internals; chat content cannot forge control
 tokens unless the server allows it."""
 

@@ -1,4 +1,4 @@
-"""A request the model step fails on fails alone (issue 16, defect 2): the engine finishes it with
+"""A request the model step fails on fails alone: the engine finishes it with
 an error, frees its pages and keeps serving the requests that shared its batch."""
 
 from __future__ import annotations

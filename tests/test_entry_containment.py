@@ -45,10 +45,8 @@ async def run(ae: AsyncEntry, plans: list) -> list[tuple[list[TokenOut], Done]]:
 
 
 def plans_of(ae: AsyncEntry) -> list:
-    def sampling(i: int):
-        return lambda cap: SamplingParams(max_tokens=cap, temperature=0.0, seed=40 + i, ignore_eos=True)
-
-    return [ae.admit(p, N, sampling(i)) for i, p in enumerate(PROMPTS)]
+    return [ae.admit(p, SamplingParams(max_tokens=N, temperature=0.0, seed=40 + i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS)]
 
 
 def test_a_request_the_entry_thread_fails_on_fails_alone(entry):

@@ -36,14 +36,15 @@ def test_offline_plan_caps_max_tokens_at_the_context_and_reserves_whole_pages():
 
 
 def test_openai_plan_fills_the_context_or_refuses_past_it():
-    plan = RULES.plan_openai([1, 2, 3], None, lambda cap: SamplingParams(max_tokens=cap))
+    plan = RULES.plan_openai([1, 2, 3], SamplingParams(max_tokens=None))
     assert plan.params.max_tokens == 29
     with pytest.raises(InvalidRequest, match="maximum context length is 32 tokens") as e:
-        RULES.plan_openai([1, 2, 3], 30, lambda cap: SamplingParams(max_tokens=cap))
+        RULES.plan_openai([1, 2, 3], SamplingParams(max_tokens=30))
     assert e.value.param == "max_tokens"
-    with pytest.raises(InvalidRequest, match="at least 1, got -3") as e:
-        RULES.plan_openai([1, 2, 3], -3, lambda cap: SamplingParams(max_tokens=cap))
-    assert e.value.param == "max_tokens"
+    # min_tokens is checked against the resolved cap too
+    with pytest.raises(InvalidRequest, match="min_tokens must be at most max_tokens \\(29\\)") as e:
+        RULES.plan_openai([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=30))
+    assert e.value.param == "min_tokens"
 
 
 @pytest.mark.parametrize("prompt,max_tokens,message,param", [

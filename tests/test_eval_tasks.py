@@ -1,4 +1,4 @@
-"""The eval's quality tasks (issue 18): the generated arithmetic task, its scorer, the task registry,
+"""The eval's quality tasks: the generated arithmetic task, its scorer, the task registry,
 and the accuracy's Wilson interval."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""On-policy calibration (issue 18): the threshold search, the prompt file, and `tokenrouter calibrate`
+"""On-policy calibration: the threshold search, the prompt file, and `tokenrouter calibrate`
 on the tiny random pair with an untrained R2R router, whose scores spread enough that the share of
 large-model tokens moves with the threshold."""
 

@@ -94,7 +94,7 @@ def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="tokenrouter.runtime.entry"), RoutedLLM(g) as llm:
         info = llm.entry.info
         planned = llm.entry.group
-    # Each subserver process applied its own spec (issue 3 section 2): pinned to core 0, its torch threads.
+    # Each subserver process applied its own spec : pinned to core 0, its torch threads.
     assert {n: (r.cpu_affinity, r.torch_threads) for n, r in info.items()} == {"small": ([0], 1), "large": ([0], 2)}
     text = caplog.text
     assert "placement cpu: 0.02 x 1.00 GiB = 0.02 GiB for small, large;" in text

@@ -1,4 +1,4 @@
-"""The embedded default pair (issue 6): CHAMP split, the student's pieces, `tokenrouter prepare` in its
+"""The embedded default pair: CHAMP split, the student's pieces, `tokenrouter prepare` in its
 reduced CI setting on the real SmolLM2, the served default answering a chat request, and `eval`.
 
 The quick pair's student has trained for four steps: its text is noise. What the tests check of it is

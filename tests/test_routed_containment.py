@@ -1,4 +1,4 @@
-"""Below the HTTP edge (issue 16, defects 1 and 2): a request the wire or a model cannot carry fails
+"""Below the HTTP edge: a request the wire or a model cannot carry fails
 alone in a routed group; the subservers and the entry keep serving, and no page leaks."""
 
 from __future__ import annotations

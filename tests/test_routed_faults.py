@@ -82,7 +82,7 @@ def test_killed_subserver_raises_and_leaves_no_process(paths, victim):
             llm.generate(prompt_token_ids=prompts, sampling_params=greedy(400), use_tqdm=False, timeout=60)
         raised_at = time.monotonic()
         assert seen["killed_at"] is not None, "generate ended before the kill"
-        # Issue 3: a clear error within seconds of the kill, not at generate's 60 s timeout.
+        # A clear error within seconds of the kill, not at generate's 60 s timeout.
         assert raised_at - seen["killed_at"] < 5.0, f"raised {raised_at - seen['killed_at']:.1f} s after the kill"
         assert procs[victim].exitcode == -signal.SIGKILL
     finally:

@@ -194,12 +194,12 @@ def test_a_steps_messages_to_the_entry_go_out_during_the_next_step(rig_factory):
     rig.add("A", prompt, seed=3, max_tokens=4)
     rig.small._step()  # prefill: the token at n, its Tokens held back
     rig.collect(50)
-    assert rig.small.outbox and not rig.tokens("A")
+    assert rig.small.io.outbox and not rig.tokens("A")
     rig.small._step()  # the token at n goes out while this step runs; n + 1 is held back
     rig.wait_entry(lambda: bool(rig.tokens("A")), "A's first token")
-    assert [pos for _, pos, _ in rig.tokens("A")] == [n] and len(rig.small.outbox) == 1
+    assert [pos for _, pos, _ in rig.tokens("A")] == [n] and len(rig.small.io.outbox) == 1
     rig.small._drain(timeout_ms=1)  # about to wait: nothing stays unsent
-    assert not rig.small.outbox
+    assert not rig.small.io.outbox
     rig.wait_entry(lambda: [pos for _, pos, _ in rig.tokens("A")] == [n, n + 1], "A's second token")
     finish_all(rig, ["A"])
 
@@ -290,7 +290,7 @@ def test_abort_while_peer_req_in_flight(rig_factory, order):
     held = rig.take_inbox("large") if order == "abort_first" else None
     rig.abort("A")
     rig.drain_until("small", lambda: "A" not in rig.small.engine.reqs, "abort on small")
-    rig.drain_until("large", lambda: "A" in rig.large.aborted, "abort on large")
+    rig.drain_until("large", lambda: "A" in rig.large.states.aborted, "abort on large")
     if held is not None:
         msg = peer_msgs(held)
         assert only(msg).first is not None and only(msg).req.suffix == prompt
@@ -474,7 +474,7 @@ def test_handback_before_the_end_rolls_the_copy_back(rig_factory, paths):
 
     rig.abort("A")
     rig.drain_until("small", lambda: "A" not in small.reqs, "abort on small")
-    rig.drain_until("large", lambda: "A" in rig.large.aborted, "abort on large")
+    rig.drain_until("large", lambda: "A" in rig.large.states.aborted, "abort on large")
     rig.settle()
     rig.assert_clean("small")
     rig.assert_clean("large")

@@ -1,4 +1,4 @@
-"""Issue 16: one request must never take the server down, stall it, or read its internals. Every
+"""One request must never take the server down, stall it, or read its internals. Every
 probe of the issue against a routed pair of random models, then the group still serves with no
 request or KV page left behind."""
 

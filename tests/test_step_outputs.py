@@ -1,4 +1,4 @@
-"""The declared-outputs seam (issue 3 section 1): an algorithm declares which step outputs it needs
+"""The declared-outputs seam : an algorithm declares which step outputs it needs
 (StepOutputSpec) and the runner computes only those; the rest stay None."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_only_declared_outputs_are_set(model_paths, spec, expected):
     eng, out = first_step(model_paths["llama"], spec)
     assert set_fields(out) == expected
     assert out.logprobs is None and out.top_logprobs is None  # no request asked for logprobs
-    eng.close()
+    eng.abort_all()
     eng.check_integrity()
 
 
@@ -57,7 +57,7 @@ def test_declared_outputs_have_the_right_shapes_and_values(model_paths):
     assert torch.allclose(out.entropy, -(lsm.exp() * lsm).sum(-1), atol=1e-5)
     assert out.token_ids == out.logits.argmax(-1).tolist()  # greedy: the sampled token is the top logit
     assert torch.allclose(eng.model.compute_logits(out.hidden), out.logits, atol=1e-5)
-    eng.close()
+    eng.abort_all()
 
 
 def test_nothing_extra_is_computed_by_default(model_paths, monkeypatch):
@@ -78,7 +78,7 @@ def test_nothing_extra_is_computed_by_default(model_paths, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "topk", topk)
     eng, out = first_step(model_paths["llama"], StepOutputSpec())
     assert calls == {"log_softmax": 0, "topk": 0}
-    eng.close()
+    eng.abort_all()
     # Asked for, each is computed: the counters move.
     _, out = first_step(model_paths["llama"], StepOutputSpec(entropy=True, top_logits=3))
     assert calls["log_softmax"] >= 1 and calls["topk"] >= 1

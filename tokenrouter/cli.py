@@ -173,8 +173,9 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
     import json
     from pathlib import Path
 
+    from tokenrouter.routing import algorithm_class
     from tokenrouter.routing.routers import router_meta
-    from tokenrouter.training.prepare import THRESHOLD_PARAM, served_algorithm
+    from tokenrouter.training.prepare import served_algorithm
 
     prepared = Path(config).resolve().parent / "prepared.json"
     if prepared.is_file():
@@ -185,7 +186,7 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
     if not path:
         return None
     threshold = float(router_meta(path, kind)["threshold"])
-    return {"name": kind, "router": str(path), THRESHOLD_PARAM.get(kind, "threshold"): threshold}
+    return {"name": kind, "router": str(path), algorithm_class(kind).knob_param(): threshold}
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:

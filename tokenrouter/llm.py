@@ -4,19 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm import tqdm
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
-from tokenrouter.engine.prompts import PromptType, prepare_requests
+from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.engine.req import Req
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprob_entries
 from tokenrouter.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The path of the model `LLM()` loads when given none. The layers above register it (the package's
+# face registers the training layer's embedded default), since this layer may not import them.
+_default_model: Callable[[], str] | None = None
+
+
+def register_default_model(resolver: Callable[[], str]) -> None:
+    """Set the function `LLM()` calls, with no model given, for the path of the model to load."""
+    global _default_model
+    _default_model = resolver
+
 
 class LLM:
     """Generate with one model, offline. Keyword arguments are `EngineConfig` fields
@@ -25,9 +36,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         if model is None:
-            from tokenrouter.training.default_model import ensure_default_model
-
-            model = str(ensure_default_model())
+            if _default_model is None:
+                raise ValueError("LLM needs a model path: none was given and no default model is registered")
+            model = _default_model()
         fields = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(kwargs) - fields)
         if unknown:

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenrouter.engine.prompts import PromptType, prepare_requests
+from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenTrace, prompt_logprob_entries
 from tokenrouter.runtime.entry import Entry, EntryReq
 from tokenrouter.runtime.group_config import GroupConfig

@@ -62,7 +62,7 @@ class SamplingParams:
     tokens at each of those positions, computed from the prefill (vLLM's prompt_logprobs).
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (a routed group's admission resolves it)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -94,10 +94,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+                raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -118,7 +119,7 @@ class SamplingParams:
             raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a non-negative integer, got {self.min_tokens!r}")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)

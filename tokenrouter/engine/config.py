@@ -41,7 +41,7 @@ class EngineConfig:
     tp_size: int = 1
     # Decode steps run compiled per batch bucket (CUDA graphs on CUDA, torch.compile on CPU; SGLang's
     # names); true runs every step eagerly, false compiles on every device. None (the default): compiled
-    # on CUDA, eager on CPU, where the compiled step measured slower (docs/BENCHMARKS.md, issue 15).
+    # on CUDA, eager on CPU, where the compiled step measured slower (docs/BENCHMARKS.md, "Compiled decode step").
     # Prefill always runs eagerly.
     disable_cuda_graph: bool | None = field(default_factory=_cuda_graph_disabled_by_env)
     cuda_graph_max_bs: int | None = None  # largest decode batch compiled; default max_running_requests

@@ -23,7 +23,7 @@ from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.request_validation import validate_prompt
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
-from tokenrouter.engine.stop_strings import find_stop
+from tokenrouter.engine.stop_strings import output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
 from tokenrouter.models import onednn_linear
@@ -365,12 +365,13 @@ class Engine:
         det = self._detok.get(req.rid)
         if det is not None:
             new = det.add([tok])
-            if p.stop and new and req.num_output > p.min_tokens:  # as vLLM: none before min_tokens
-                hit = find_stop(det.text, len(new), p.stop, p.include_stop_str_in_output)
+            if p.stop and new:
+                hit = output_stop(det.text, len(new), p.stop, p.include_stop_str_in_output, req.num_output,
+                                  p.min_tokens)
                 if hit is not None:
                     det.text = hit.text
                     return "stop", hit.stop
-        if req.num_output >= p.max_tokens or len(req.tokens) >= self.max_model_len:
+        if (p.max_tokens is not None and req.num_output >= p.max_tokens) or len(req.tokens) >= self.max_model_len:
             return "length", None
         return None
 
@@ -393,16 +394,16 @@ class Engine:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def close(self) -> None:
-        """Drop every request; the engine stays usable (see shutdown)."""
+    def abort_all(self) -> None:
+        """Drop every request (its pages freed); the engine stays usable (see shutdown)."""
         for rid in list(self.reqs):
             self.abort(rid)
 
     def shutdown(self) -> None:
         """Drop every request and stop the tensor-parallel workers (STOP broadcast, then join); the
         engine cannot step afterwards. Without tensor parallelism the engine holds no processes, so
-        this is close()."""
-        self.close()
+        this is abort_all()."""
+        self.abort_all()
         if self.tp is not None:
             self.tp.shutdown()
 

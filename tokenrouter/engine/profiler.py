@@ -32,7 +32,7 @@ def decode_seconds(engine: Engine, batch: int, context: int, steps: int) -> floa
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
-    engine.close()
+    engine.abort_all()
     engine.cache.reset()
     return statistics.median(times)
 

@@ -37,6 +37,15 @@ def find_stop(text: str, num_new: int, stops: Sequence[str], include: bool) -> S
     return StopHit(text[:pos + (len(stop) if include else 0)], stop)
 
 
+def output_stop(text: str, num_new: int, stops: Sequence[str], include: bool, num_output: int,
+                min_tokens: int) -> StopHit | None:
+    """find_stop on a request's output of `num_output` tokens (the newest counted): as vLLM, no stop
+    string ends an output until more than `min_tokens` tokens are out."""
+    if num_output <= min_tokens:
+        return None
+    return find_stop(text, num_new, stops, include)
+
+
 def held_back(stops: Sequence[str]) -> int:
     """How many characters at the end of a streamed text could still grow into a stop string, so
     must not be handed out yet."""

@@ -54,6 +54,14 @@ def unit_interval(field: str, value: Any) -> float:
     return float(value)
 
 
+def unit_param(algorithm: str, field: str, value: Any) -> float:
+    """A constructor's (the group's) value of `field` as a float in [0, 1], or ValueError naming both."""
+    try:
+        return unit_interval(field, value)
+    except RoutingParamError:
+        raise ValueError(f"{algorithm}: {field} must be in [0, 1], got {value}") from None
+
+
 class RoutingAlgorithm(ABC):
     """A token-level routing algorithm over a named group of models.
 
@@ -188,6 +196,13 @@ class RoutingAlgorithm(ABC):
     @classmethod
     def check_request_value(cls, field: str, value: Any) -> Any:
         return value
+
+    @classmethod
+    def knob_param(cls) -> str:
+        """The name of the `share_knob` parameter (a router's threshold); ValueError when there is none."""
+        if cls.share_knob is None:
+            raise ValueError(f"algorithm {cls.name} has no share_knob (no threshold parameter)")
+        return cls.share_knob[0]
 
     def request_defaults(self) -> dict[str, Any]:
         """The group's value of every per-request parameter."""

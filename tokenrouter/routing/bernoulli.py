@@ -13,7 +13,7 @@ import torch
 
 from tokenrouter.engine.draws import uniform
 from tokenrouter.engine.model_runner import StepOutput
-from tokenrouter.routing.algorithm import unit_interval
+from tokenrouter.routing.algorithm import unit_param
 from tokenrouter.routing.deferral import DeferToLarge
 
 _STREAM = 0x5EED_B0B  # keeps routing draws independent of sampling draws
@@ -41,13 +41,7 @@ class Bernoulli(DeferToLarge):
 
     def __init__(self, models: list[str], p: float = 0.1) -> None:
         super().__init__(models)
-        if not 0.0 <= float(p) <= 1.0:
-            raise ValueError(f"bernoulli: p must be in [0, 1], got {p}")
-        self.p = float(p)
-
-    @classmethod
-    def check_request_value(cls, field: str, value: object) -> float:
-        return unit_interval(field, value)
+        self.p = unit_param(self.name, "p", p)
 
     def defer(self, step: StepOutput) -> torch.Tensor:
         # The draw is for the position about to be written: len(tokens) before the token is committed.

@@ -2,7 +2,8 @@
 the large model, which drops the small token, writes exactly one token and hands back.
 
 CITER, R2R, Co-LLM and the synthetic Bernoulli router differ only in `defer`, and in the score behind
-it (`scores` and `defers`), which a traced request reports per token.
+it (`scores` and `defers`), which a traced request reports per token. Their per-request parameters are
+numbers in [0, 1] (a probability or a threshold on one).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tokenrouter.engine.model_runner import StepOutput
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores
+from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores, unit_interval
 from tokenrouter.routing.routers import LoadedRouter, check_pair, engine_fingerprint, load_router, router_meta
 
 if TYPE_CHECKING:
@@ -26,6 +27,10 @@ class DeferToLarge(RoutingAlgorithm):
         if len(models) != 2:
             raise ValueError(f"{self.name} routes between exactly 2 models (small, large), got {len(models)}")
         self.small, self.large = models
+
+    @classmethod
+    def check_request_value(cls, field: str, value: object) -> float:
+        return unit_interval(field, value)
 
     @abstractmethod
     def defer(self, step: StepOutput) -> torch.Tensor:
@@ -75,3 +80,23 @@ class HeadDeferral(DeferToLarge):
         check_pair(self.meta, role, engine_fingerprint(engine), engine.cfg.model_path, self.router_path)
         if model == self.small:
             self.router = load_router(self.router_path, self.name)
+
+    def defer(self, step: StepOutput) -> torch.Tensor:
+        scored = self.scores(step)
+        assert scored is not None, f"{self.name}: a router head always scores"
+        return self.defers(*scored)
+
+
+class HiddenStateHead(HeadDeferral):
+    """A head over the small model's last hidden state whose sigmoid is the score, compared with the
+    request's `share_knob` parameter (CITER's confidence against tau, Co-LLM's deferral probability
+    against eta); a subclass says which way in `defers`."""
+
+    def outputs(self, model: str) -> StepOutputSpec:
+        return StepOutputSpec(hidden=model == self.small)
+
+    @torch.inference_mode()
+    def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.router is not None and step.hidden is not None
+        score = torch.sigmoid(self.router.head(step.hidden))
+        return score, self.request_values(step, self.knob_param(), score.device)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.algorithm import unit_interval
+from tokenrouter.routing.algorithm import unit_param
 from tokenrouter.routing.deferral import HeadDeferral
 
 if TYPE_CHECKING:
@@ -25,12 +25,9 @@ class R2R(HeadDeferral):
     def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
         super().__init__(models, router)
         self.top_k = int(self.meta["arch"]["top_k"])
-        self.threshold = float(threshold) if threshold is not None else float(self.meta["threshold"])
+        # No threshold given: the one the router was calibrated with (its router.json).
+        self.threshold = unit_param(self.name, "threshold", self.meta["threshold"] if threshold is None else threshold)
         self.embed: torch.Tensor | None = None
-
-    @classmethod
-    def check_request_value(cls, field: str, value: object) -> float:
-        return unit_interval(field, value)
 
     def outputs(self, model: str) -> StepOutputSpec:
         if model == self.small:
@@ -56,6 +53,3 @@ class R2R(HeadDeferral):
 
     def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
         return score >= threshold
-
-    def defer(self, step: StepOutput) -> torch.Tensor:
-        return self.defers(*self.scores(step))

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores, unit_interval
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores, unit_interval, unit_param
 
 if TYPE_CHECKING:
     from tokenrouter.engine.engine import Engine
@@ -27,9 +27,7 @@ class RStitch(RoutingAlgorithm):
         super().__init__(models)
         if len(models) != 2:
             raise ValueError(f"r_stitch routes between exactly 2 models (small, large), got {len(models)}")
-        if not 0.0 <= float(tau) <= 1.0:
-            raise ValueError(f"r_stitch: tau must be in [0, 1], got {tau}")
-        self.tau = float(tau)
+        self.tau = unit_param(self.name, "tau", tau)
         self.small, self.large = models
         self.log_vocab: dict[str, float] = {}
 

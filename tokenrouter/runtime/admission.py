@@ -29,7 +29,9 @@ class AdmittedPlan:
     """A request that passed admission: everything the entry needs to run it."""
 
     prompt_ids: list[int]  # a copy of the caller's
-    params: SamplingParams  # the caller's, max_tokens resolved to the cap (stop strings included)
+    # The caller's, stop strings included, with max_tokens resolved (an int, the cap applied): every
+    # model and the entry read the output budget from here.
+    params: SamplingParams
     seed: int  # the caller's, or drawn here
     reserve: dict[str, int]  # KV tokens to reserve on each model the request may visit (none for one model)
     # Its routing parameters, resolved once here: the group's defaults with the request's overrides
@@ -69,35 +71,33 @@ class AdmissionRules:
 
     def plan(self, prompt_ids: Sequence[int], params: SamplingParams,
              routing: Mapping[str, Any] | None = None) -> AdmittedPlan:
-        """The offline rule (vLLM's LLM): a max_tokens past the context is cut to fit it."""
-        return self._plan(prompt_ids, params.max_tokens, lambda cap: dataclasses.replace(params, max_tokens=cap),
-                          routing, strict=False)
+        """The offline rule (vLLM's LLM): no max_tokens fills the context, one past it is cut to fit."""
+        return self._plan(prompt_ids, params, routing, strict=False)
 
-    def plan_openai(self, prompt_ids: Sequence[int], max_tokens: int | None,
-                    sampling: Callable[[int], SamplingParams], routing: Mapping[str, Any] | None = None,
-                    ) -> AdmittedPlan:
-        """OpenAI's rule: no max_tokens fills the context, and one past the context is an error.
-        `sampling` builds the request's SamplingParams once its max_tokens is known."""
-        return self._plan(prompt_ids, max_tokens, sampling, routing, strict=True)
+    def plan_openai(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    routing: Mapping[str, Any] | None = None) -> AdmittedPlan:
+        """OpenAI's rule: no max_tokens fills the context, and one past the context is an error."""
+        return self._plan(prompt_ids, params, routing, strict=True)
 
-    def _plan(self, prompt_ids: Sequence[int], requested: int | None, sampling: Callable[[int], SamplingParams],
-              routing: Mapping[str, Any] | None, strict: bool) -> AdmittedPlan:
+    def _plan(self, prompt_ids: Sequence[int], params: SamplingParams, routing: Mapping[str, Any] | None,
+              strict: bool) -> AdmittedPlan:
         """Raise ValueError (InvalidRequest where a request field is to blame, RoutingParamError for
         a routing parameter) naming the problem."""
         options, overrides = split_routing(routing, list(self.pools))
         resolved = self.resolve_routing(overrides) if self.resolve_routing is not None else {}
-        n, ctx = len(prompt_ids), self.context_len
-        if strict and requested is not None and n:
-            if requested < 1:
-                raise InvalidRequest(f"max_tokens must be at least 1, got {requested}", "max_tokens")
-            if n + requested > ctx:
-                raise InvalidRequest(
-                    f"This model's maximum context length is {ctx} tokens. However, you requested {n + requested} "
-                    f"tokens ({n} in the prompt, {requested} in the completion). Please reduce the length of the "
-                    "prompt or completion.", "max_tokens")
+        n, ctx, requested = len(prompt_ids), self.context_len, params.max_tokens
+        if strict and requested is not None and n and n + requested > ctx:
+            raise InvalidRequest(
+                f"This model's maximum context length is {ctx} tokens. However, you requested {n + requested} "
+                f"tokens ({n} in the prompt, {requested} in the completion). Please reduce the length of the "
+                "prompt or completion.", "max_tokens")
         validate_prompt(prompt_ids, self.vocab_size, ctx)
         # The one place the output budget is decided: the models see this cap, never the context.
-        params = sampling(ctx - n if requested is None else min(requested, ctx - n))
+        cap = ctx - n if requested is None else min(requested, ctx - n)
+        try:  # the fields checked against max_tokens (min_tokens) are checked again against the cap
+            params = dataclasses.replace(params, max_tokens=cap)
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            raise InvalidRequest(str(e), str(e).split(" ", 1)[0]) from None
         try:
             params.check_vocab(self.vocab_size)
         except ValueError as e:
@@ -106,7 +106,7 @@ class AdmissionRules:
             check_structured_output(params.structured_output)  # once here; each model compiles it for itself
         reserve = {}
         for name, pool in self.pools.items():
-            reserve[name] = math.ceil((n + params.max_tokens) / pool.page_size) * pool.page_size
+            reserve[name] = math.ceil((n + cap) / pool.page_size) * pool.page_size
             if reserve[name] > pool.capacity_tokens:
                 raise InvalidRequest(f"request needs {reserve[name]} tokens of KV on model {name!r}, "
                                      f"whose pool holds {pool.capacity_tokens}")

@@ -304,9 +304,6 @@ class Entry:
             self._end(req, req.final.reason, req.final.stop_reason)
             events.append(req.done_event(out.release()))
 
-    def has_unfinished(self) -> bool:
-        return bool(self.reqs)
-
     def stats(self, timeout: float = 5.0) -> dict[str, Stats]:
         """Ask every subserver for its counters. Events that arrive meanwhile wait for the next poll."""
         self._stats = {}

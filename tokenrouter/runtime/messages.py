@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Union
 
 import msgspec
+import zmq
 
 from tokenrouter.routing.peer_req import PeerReq
 from tokenrouter.runtime.model_identity import ModelIdentity
 from tokenrouter.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class AddReq(msgspec.Struct, tag="add"):
@@ -221,3 +225,18 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     return _decoder.decode(data)
+
+
+def receive_waiting(sock: zmq.Socket, who: str) -> list[Message]:
+    """Every message waiting on `sock`, decoded, without blocking. One that does not decode is logged
+    and dropped: a stray or corrupt message must not stop `who` (the entry, or a model)."""
+    out: list[Message] = []
+    while True:
+        try:
+            data = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return out
+        try:
+            out.append(decode(data))
+        except msgspec.DecodeError as e:
+            logger.warning("%s: dropped an undecodable message (%d bytes): %s", who, len(data), e)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from tokenrouter.engine.stop_strings import find_stop, held_back
+from tokenrouter.engine.stop_strings import held_back, output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer
 from tokenrouter.runtime.admission import AdmittedPlan
 from tokenrouter.runtime.messages import TokenEvent, Trace
@@ -65,7 +65,7 @@ class Reassembly:
     finished: bool = False
     released: int = 0  # characters of text already handed out
     first_token_time: float | None = None
-    min_tokens: int = 0  # as vLLM: no stop string ends the output before this many tokens
+    min_tokens: int = 0  # stop strings wait for more tokens than this (stop_strings.output_stop)
     handoffs: int = 0  # PeerReqs sent so far, as the subservers report them (not changes of writer)
     # Prompt logprobs: asked for, and (once the prefilling model sent them) their values. They come on
     # another connection than a peer's first token may, so the first token waits for them.
@@ -120,9 +120,10 @@ class Reassembly:
     def _add_text(self, token: int) -> None:
         assert self.detok is not None
         new = self.detok.add([token])
-        if not new or not self.stops or len(self.tokens) + 1 <= self.min_tokens:  # this token not yet placed
+        if not new or not self.stops:
             return
-        hit = find_stop(self.detok.text, len(new), self.stops, self.include_stop)
+        hit = output_stop(self.detok.text, len(new), self.stops, self.include_stop, len(self.tokens) + 1,
+                          self.min_tokens)  # len(self.tokens) + 1: this token is not yet placed
         if hit is not None:
             self.text, self.stop = hit.text, hit.stop
             self.finish()

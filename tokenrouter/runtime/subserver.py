@@ -1,8 +1,9 @@
 """A subserver: one model's engine in its own process, with the decode loop and the inter-model loop.
 
-Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out (zmq PUSH,
-never blocking: zmq's I/O thread does the sending) and in (drained between steps). The scheduler and
-engine know nothing of sockets; this file is the only place that joins them.
+Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out and in
+(drained between steps) through the sockets of runtime/subserver_sockets.py; each live request's
+hand-off state is a RequestState (runtime/request_state.py). The scheduler and engine know nothing of
+sockets; this file is the only place that joins them.
 """
 
 from __future__ import annotations
@@ -11,26 +12,20 @@ import bisect
 import dataclasses
 import logging
 import os
-import signal
 import time
-import traceback
 from collections import Counter
 from typing import Any
 
-import msgspec
 import torch
-import zmq
 
 from tokenrouter.engine.engine import Engine, StepFailed
 from tokenrouter.engine.latency_model import InterferenceClock, LatencyModelRunner
 from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
-from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.routing import STAY, PeerReq, Route, make_algorithm
 from tokenrouter.runtime.attribution import Attribution
-from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.containment import checked_route, route_each
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import (
@@ -53,15 +48,12 @@ from tokenrouter.runtime.messages import (
     Tokens,
     Topology,
     Trace,
-    decode,
-    encode,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.transport_security import secure_client, secure_server, start_authenticator
+from tokenrouter.runtime.request_state import RequestState, RequestStates
+from tokenrouter.runtime.subserver_sockets import SubserverSockets
 
 logger = logging.getLogger(__name__)
-
-_ABORT_MEMORY_S = 300.0  # how long an aborted rid is remembered, to drop hand-offs still in flight
 
 
 class Subserver:
@@ -93,26 +85,10 @@ class Subserver:
         self.engine = Engine(spec.engine, launch=self.launch, outputs=self.algorithm.outputs(spec.name),
                              latency_runner=runner)
         self.algorithm.bind(spec.name, self.engine)
-        self.ctx = zmq.Context()
-        self.keys = group.curve_keys()
-        self._auth = start_authenticator(self.ctx, self.keys) if self.keys else None
-        self.inbox = self.ctx.socket(zmq.PULL)
-        secure_server(self.inbox, self.keys)
-        self.inbox.bind(bind_address)  # a tcp address may end in ":*": the port is picked here
-        self.address = self.inbox.getsockopt_string(zmq.LAST_ENDPOINT)
-        if advertise_host:
-            self.address = f"tcp://{advertise_host}:{self.address.rsplit(':', 1)[1]}"
-        self.entry_watch: ConnectionWatch | None = None
-        self.to_entry = self._push(entry_address, watch=watch_entry)
-        self.to_peer: dict[str, zmq.Socket] = {}  # connected when the Topology message arrives
-        # rid -> {peer: number of this request's tokens that peer holds}
-        self.known: dict[str, dict[str, int]] = {}
-        self.handoffs_of: dict[str, int] = {}  # rid -> its hand-offs so far (every model's, as last seen here)
-        self.pending_since: dict[str, float] = {}
-        self.aborted: dict[str, float] = {}
-        self.prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs the entry still awaits
+        self.io = SubserverSockets(self.name, group.curve_keys(), bind_address, entry_address, advertise_host,
+                                   watch_entry)
+        self.states = RequestStates()  # each live request's hand-off state; the aborted rids
         self.attribution = Attribution(self.name)  # the requests that asked for a per-token trace
-        self.alone: set[str] = set()  # requests this model writes alone (routing.model): never routed
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
         self.aborted_requests = 0  # live requests ended here by an Abort (a client gone, a time limit, a peer failed)
@@ -125,39 +101,12 @@ class Subserver:
         self.index = group.names.index(spec.name)
         self.drain_seconds = 0.0  # handling inbox messages since the last step record
         self.overlap_seconds = 0.0  # work done while the last step ran
-        # Overlap (as SGLang's overlap scheduler, for the part that leaves the batch alone): a step's
-        # messages to the entry wait here and go out while the next step runs, and messages that
-        # arrive meanwhile are received and decoded then, and handled after it.
-        self.outbox: list[tuple[zmq.Socket, Any]] = []
-        self.received: list[Any] = []
-
-    def _push(self, address: str, watch: bool = False) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.SNDHWM, 0)  # never block the decode loop on a slow reader
-        sock.setsockopt(zmq.LINGER, 1000)
-        secure_client(sock, self.keys)
-        if watch:
-            self.entry_watch = ConnectionWatch(sock)
-        sock.connect(address)
-        return sock
-
-    def _send(self, sock: zmq.Socket, msg: Any) -> None:
-        sock.send(encode(msg), zmq.NOBLOCK)
-
-    def _send_later(self, sock: zmq.Socket, msg: Any) -> None:
-        """Send during the next step (or before the loop next waits), after what is already queued."""
-        self.outbox.append((sock, msg))
-
-    def _flush(self) -> None:
-        outbox, self.outbox = self.outbox, []
-        for sock, msg in outbox:
-            self._send(sock, msg)
 
     def _in_flight(self) -> None:
         """Run by the executor while a step is in flight: it touches neither the batch nor the scheduler."""
         t0 = time.perf_counter()
-        self._flush()
-        self._receive_ready()
+        self.io.flush()
+        self.io.receive_ready()
         self.overlap_seconds += time.perf_counter() - t0
 
     # ---- the loops -------------------------------------------------------------------------
@@ -169,7 +118,7 @@ class Subserver:
 
             latency = measure_engine(eng, (1, 4, 16), context=64, steps=3, progress=False).to_dict()
         affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self._send(self.to_entry, Ready(self.name, self.address, os.getpid(), eng.pool.capacity_tokens,
+        self.io.send(self.io.to_entry, Ready(self.name, self.io.address, os.getpid(), eng.pool.capacity_tokens,
                                         eng.pool.page_size, eng.max_model_len, eng.model_config.vocab_size, latency,
                                         vocab_hash(eng.tokenizer) if eng.tokenizer is not None else "",
                                         torch.get_num_threads(), affinity))
@@ -190,22 +139,23 @@ class Subserver:
         if self.parent_pid is not None and os.getppid() != self.parent_pid:
             logger.error("%s: entry process is gone, exiting", self.name)
             self.running = False
-        if self.entry_watch is not None and self.entry_watch.gone():
+        if self.io.entry_watch is not None and self.io.entry_watch.gone():
             logger.error("%s: the connection to the entry dropped, exiting", self.name)
             self.running = False
-        for rid in [r for r, t in self.aborted.items() if now - t > _ABORT_MEMORY_S]:
-            del self.aborted[rid]
+        self.states.forget_old_aborts(now)
         if not self.engine.scheduler.has_work() and not self.engine.reqs:
-            self.engine.check_integrity()
+            self.check_integrity()  # idle: no page and no request state may be left behind
+
+    def check_integrity(self) -> None:
+        """The engine's invariants and the hand-off state's (request_state.py), between messages and steps."""
+        self.engine.check_integrity()
+        self.states.check_integrity(self.engine.reqs)
 
     def _drain(self, timeout_ms: int) -> None:
-        if timeout_ms:
-            self._flush()  # about to wait: nothing may stay unsent meanwhile
-        if not self.received and not self.inbox.poll(timeout_ms):
+        received = self.io.take(timeout_ms)
+        if not received:
             return
         t0 = time.perf_counter() if self.trace.enabled else 0.0
-        self._receive_ready()
-        received, self.received = self.received, []
         for msg in received:
             try:
                 self._handle(msg)
@@ -217,30 +167,15 @@ class Subserver:
         if self.trace.enabled:
             self.drain_seconds += time.perf_counter() - t0
 
-    def _receive_ready(self) -> None:
-        while True:
-            try:
-                data = self.inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self.received.append(decode(data))
-            except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the model
-                logger.warning("%s: dropped an undecodable message (%d bytes): %s", self.name, len(data), e)
-
     def _handle(self, msg: Any) -> None:
         if isinstance(msg, AddReq):
             try:
                 req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
             except ValueError as e:
-                self._send(self.to_entry, ReqError(self.name, msg.rid, str(e)))
+                self.io.send(self.io.to_entry, ReqError(self.name, msg.rid, str(e)))
                 return
-            self.known[msg.rid] = {}
-            self.handoffs_of[msg.rid] = 0
-            if msg.params.prompt_logprobs is not None:
-                self.prompt_logprobs_due.add(msg.rid)
-            if msg.alone:
-                self.alone.add(msg.rid)
+            self.states.start(msg.rid, RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None,
+                                                    alone=msg.alone))
             if msg.trace:
                 self.attribution.start(msg.rid, scored=not msg.alone)
             self._start(req, msg.routing)
@@ -252,7 +187,7 @@ class Subserver:
                     logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
                     self._fail(item.req.rid)
         elif isinstance(msg, Abort):
-            self.aborted[msg.rid] = time.monotonic()
+            self.states.abort(msg.rid, time.monotonic())
             if msg.rid in self.engine.reqs:
                 self.aborted_requests += 1
             self._drop(msg.rid)
@@ -267,11 +202,9 @@ class Subserver:
                 self.launch.group_active = active
                 self.engine.scheduler.launch = self.launch
         elif isinstance(msg, Topology):
-            for name, address in msg.addresses.items():
-                if name != self.name and name not in self.to_peer:
-                    self.to_peer[name] = self._push(address)
+            self.io.connect_peers(msg.addresses)
         elif isinstance(msg, StatsQuery):
-            self._send(self.to_entry, self.stats())
+            self.io.send(self.io.to_entry, self.stats())
         elif isinstance(msg, Shutdown):
             self.running = False
 
@@ -283,7 +216,7 @@ class Subserver:
             self.engine.abort(rid)
         self._drop(rid)
         message = message or f"the model {self.name!r} failed on this request"
-        self._send(self.to_entry, ReqError(self.name, rid, message))
+        self.io.send(self.io.to_entry, ReqError(self.name, rid, message))
 
     def _algorithm_failed(self, rid: str, stage: str) -> None:
         """The routing algorithm raised in `stage` (route, send, receive, on_start, on_finish) on this
@@ -307,14 +240,10 @@ class Subserver:
                 logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, rid)
                 self.request_errors["on_finish"] += 1
         self.engine.abort(rid)
-        self.known.pop(rid, None)
-        self.handoffs_of.pop(rid, None)
-        self.prompt_logprobs_due.discard(rid)
         self.attribution.forget(rid)
-        self.alone.discard(rid)
-        since = self.pending_since.pop(rid, None)
-        if since is not None:
-            self.pending_seconds += time.monotonic() - since
+        state = self.states.end(rid)
+        if state is not None:
+            self.pending_seconds += state.end_pending(time.monotonic())
 
     def _receive(self, sender: str, msg: Handoff) -> None:
         try:
@@ -327,12 +256,13 @@ class Subserver:
         if peer.finished:
             # Pass the finish on to the other peers that hold a copy: with three or more models the
             # finisher may never have exchanged this request with them (m1 -> m2 -> m3 finishes).
-            for other in self.known.get(rid, {}):
+            state = self.states.live.get(rid)
+            for other in state.known if state is not None else ():
                 if other != sender:
-                    self._send(self.to_peer[other], Peer(self.name, [_finish_notice(rid)]))
+                    self.io.send(self.io.to_peer[other], Peer(self.name, [_finish_notice(rid)]))
             self._drop(rid)
             return
-        if rid in self.aborted:
+        if rid in self.states.aborted:
             self._drop(rid)
             return
         eng = self.engine
@@ -340,27 +270,28 @@ class Subserver:
             if msg.first is None:
                 return  # a late hand-off of a request that already ended here
             if peer.loc != 0:
-                self._send(self.to_entry, ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
+                self.io.send(self.io.to_entry,
+                             ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
                 return
             try:
                 req = eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
                                       prompt_len=msg.first.prompt_len)
             except ValueError as e:
-                self._send(self.to_entry, ReqError(self.name, rid, str(e)))
+                self.io.send(self.io.to_entry, ReqError(self.name, rid, str(e)))
                 return
-            self.known[rid] = {}
+            self.states.start(rid, RequestState())
             if msg.first.trace:
                 self.attribution.start(rid)
             self._start(req, msg.first.routing)
             if rid not in eng.reqs:
                 return  # on_start failed on it
+            state = self.states.live[rid]
         else:
             eng.receive(rid, peer.loc, peer.suffix)
-            since = self.pending_since.pop(rid, None)
-            if since is not None:
-                self.pending_seconds += time.monotonic() - since
-        self.known[rid][sender] = peer.loc + len(peer.suffix)
-        self.handoffs_of[rid] = msg.handoffs
+            state = self.states.live[rid]
+            self.pending_seconds += state.end_pending(time.monotonic())
+        state.known[sender] = peer.loc + len(peer.suffix)
+        state.handoffs = msg.handoffs
         self.attribution.received(rid, msg.trace)
 
     def _step(self) -> bool:
@@ -396,16 +327,18 @@ class Subserver:
             for req, route in zip(out.reqs, routes):
                 if route is None:
                     self._algorithm_failed(req.rid, "route")
-        if self.alone:
-            routes = [STAY if route is not None and r.rid in self.alone else route for r, route in zip(out.reqs, routes)]
+        live = self.states.live
+        if self.states.alone:
+            routes = [STAY if route is not None and live[r.rid].alone else route for r, route in zip(out.reqs, routes)]
         # A request samples once its prefill is done, so its prompt logprobs are complete: they go out
         # before any of its tokens. Most steps have none due: no per-request pass then.
-        if self.prompt_logprobs_due:
+        if self.states.prompt_logprobs_due:
             for req in out.reqs:
-                if req.rid in self.prompt_logprobs_due:
-                    self.prompt_logprobs_due.discard(req.rid)
-                    self._send_later(self.to_entry,
-                                     PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
+                state = live.get(req.rid)  # None: it failed in route
+                if state is not None and state.prompt_logprobs_due:
+                    self.states.prompt_logprobs_sent(state)
+                    self.io.send_later(self.io.to_entry,
+                                       PromptLogprobs(req.rid, req.prompt_logprobs, req.prompt_top_logprobs))
         t2 = time.perf_counter() if tracing else 0.0
         now = time.monotonic()
         events: list[TokenEvent] = []
@@ -433,17 +366,20 @@ class Subserver:
                 handoffs.append((req, route.dest))
         t3 = time.perf_counter() if tracing else 0.0
         self.tokens_written += len(events)
-        counts = {req.rid: self.handoffs_of.get(req.rid, 0) + 1 for req, _ in handoffs}
-        self.handoffs_of.update(counts)
+        counts = {}
+        for req, _ in handoffs:
+            state = live[req.rid]
+            state.handoffs += 1
+            counts[req.rid] = state.handoffs
         # Tokens first: the entry must see a request's last token no later than its finish.
         if events or counts:
-            self._send_later(self.to_entry, Tokens(self.name, events, counts))
+            self.io.send_later(self.io.to_entry, Tokens(self.name, events, counts))
         t4 = time.perf_counter() if tracing else 0.0
         notices: dict[str, list[Handoff]] = {}
         for req in finished:
             self._finished(req, notices)
         for peer, items in notices.items():
-            self._send_later(self.to_peer[peer], Peer(self.name, items))
+            self.io.send_later(self.io.to_peer[peer], Peer(self.name, items))
         t5 = time.perf_counter() if tracing else 0.0
         batches: dict[str, list[Handoff]] = {}  # one message per peer and step
         for req, dest in handoffs:
@@ -455,7 +391,7 @@ class Subserver:
                 continue
             batches.setdefault(dest, []).append(item)
         for dest, items in batches.items():
-            self._send(self.to_peer[dest], Peer(self.name, items))
+            self.io.send(self.io.to_peer[dest], Peer(self.name, items))
         if tracing:
             self._trace_stages(t0, {"forward": took, "route": t2 - t1, "commit": t3 - t2, "tokens_msg": t4 - t3,
                                     "finish": t5 - t4, "handoff": time.perf_counter() - t5})
@@ -479,23 +415,25 @@ class Subserver:
         holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
         self.attribution.forget(req.rid)
-        self.alone.discard(req.rid)
         try:
             self.algorithm.finish(req)
         except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
             logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, req.rid)
             self._algorithm_failed(req.rid, "on_finish")
             return
-        self._send_later(self.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
-                                                 len(req.tokens), self.handoffs_of.pop(req.rid, 0)))
-        for peer in self.known.pop(req.rid, {}):
+        state = self.states.end(req.rid)
+        assert state is not None, f"{req.rid} finished with no state"
+        self.io.send_later(self.io.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
+                                                      len(req.tokens), state.handoffs))
+        for peer in state.known:
             notices.setdefault(peer, []).append(_finish_notice(req.rid))
 
     def _handoff(self, req: Req, dest: str, now: float) -> Handoff:
         """Set req PENDING; its hand-off to `dest`, to send with the step's others."""
-        if dest not in self.to_peer:
+        if dest not in self.io.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
-        known = self.known.setdefault(req.rid, {})
+        state = self.states.live[req.rid]
+        known = state.known
         # The prompt logprobs were this model's to compute: a peer runs without them (and so with its cache).
         first = None
         if dest not in known:
@@ -503,11 +441,11 @@ class Subserver:
                                self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         self.engine.scheduler.set_pending(req)
-        self.pending_since[req.rid] = now
+        state.pending_since = now
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        return Handoff(peer, first, self.handoffs_of[req.rid], self.attribution.sent(req.rid))
+        return Handoff(peer, first, state.handoffs, self.attribution.sent(req.rid))
 
     def stats(self) -> Stats:
         eng = self.engine
@@ -523,70 +461,13 @@ class Subserver:
         )
 
     def close(self) -> None:
-        self._flush()
+        self.io.flush()
         if self.engine.tp is not None:
             self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
         if self.clock is not None:
             self.clock.close()
-        if self.entry_watch is not None:
-            self.entry_watch.close()
-        for sock in (self.inbox, self.to_entry, *self.to_peer.values()):
-            sock.close(linger=500)
-        if self._auth is not None:
-            self._auth.stop()
-        self.ctx.term()
+        self.io.close()
 
 
 def _finish_notice(rid: str) -> Handoff:
     return Handoff(PeerReq(rid=rid, suffix=[], loc=0, finished=True))
-
-
-def configure_process(model: ModelSpec) -> None:
-    """Threads and cores as the spec asks (oversubscribed cores make torch 5-13x slower)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if model.cores:
-        os.sched_setaffinity(0, model.cores)
-    import torch
-
-    if model.engine.num_threads is not None:
-        torch.set_num_threads(model.engine.num_threads)
-
-
-def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry_address: str,
-                    parent_pid: int | None = None, advertise_host: str | None = None,
-                    watch_entry: bool = False, interference_flags: str | None = None) -> None:
-    """Load and serve until Shutdown; a failure is reported to the entry (which turns it into a clear
-    error) and raised again."""
-    server = None
-    try:
-        server = Subserver(model, cfg, bind_address, entry_address, parent_pid, advertise_host, watch_entry,
-                           interference_flags)
-        server.run()
-    except BaseException as e:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 2000)
-        secure_client(sock, cfg.curve_keys())
-        sock.connect(entry_address)
-        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
-        sock.send(encode(ReqError(model.name, None, msg)))
-        sock.close()
-        raise
-    finally:
-        if server is not None:
-            server.close()
-
-
-def subserver_main(name: str, group: dict[str, Any], bind_address: str, entry_address: str, parent_pid: int,
-                   interference_flags: str | None = None) -> None:
-    """Process entry point (spawned by the entry): serve model `name` of the group (its config as
-    GroupConfig.to_dict gives it); configure threads and cores, then serve."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the entry decides when we stop
-    cfg = GroupConfig.from_dict(group)
-    model = cfg.spec(name)
-    configure_process(model)
-    try:
-        serve_subserver(model, cfg, bind_address, entry_address, parent_pid, interference_flags=interference_flags)
-    except BaseException as e:
-        raise SystemExit(1) from e

@@ -13,16 +13,15 @@ import time
 import uuid
 from typing import Any
 
-import msgspec
 import zmq
 
 from tokenrouter.engine.latency_model import create_flags
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.messages import Join, Ready, ReqError, Shutdown, Topology, decode, encode
+from tokenrouter.runtime.messages import Join, Ready, ReqError, Shutdown, Topology, encode, receive_waiting
 from tokenrouter.runtime.remote.join_desk import JoinDesk, JoinedSubserver
 from tokenrouter.runtime.remote.remote_subserver import RemoteSubserver
-from tokenrouter.runtime.subserver import subserver_main
+from tokenrouter.runtime.subserver_process import subserver_main
 from tokenrouter.runtime.transport_security import secure_client, secure_server, start_authenticator
 
 logger = logging.getLogger(__name__)
@@ -159,18 +158,7 @@ class SubserverPool:
 
     def recv(self, timeout: float) -> list[Any]:
         """Every message waiting on the inbox, after waiting up to `timeout` seconds for the first."""
-        msgs = []
-        if self.inbox.poll(int(timeout * 1000)):
-            while True:
-                try:
-                    data = self.inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    msgs.append(decode(data))
-                except msgspec.DecodeError as e:  # a stray or corrupt message must not stop the entry
-                    logger.warning("entry: dropped an undecodable message (%d bytes): %s", len(data), e)
-        return msgs
+        return receive_waiting(self.inbox, "entry") if self.inbox.poll(int(timeout * 1000)) else []
 
     def send(self, model: str, msg: Any) -> None:
         self.outbox[model].send(encode(msg), zmq.NOBLOCK)

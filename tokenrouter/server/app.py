@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tokenrouter import __version__
+from tokenrouter.version import __version__
 from tokenrouter.server.async_entry import AsyncEntry, TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
 from tokenrouter.server.choices import ChoiceRunner
@@ -155,8 +155,8 @@ class OpenAIServer:
         prompts = body.prompts(self.cfg.limits)
         encoded = await self.off_loop(lambda: [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
                                                for p in prompts])
-        gens = self.choices.submit_choices(encoded, n, body.max_tokens,
-                                   lambda cap: body.sampling(cap, body.logprobs, body.prompt_logprobs), body.routing)
+        gens = self.choices.submit_choices(encoded, n, body.sampling(body.max_tokens, body.logprobs, body.prompt_logprobs),
+                                           body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
         traced = gens[0].traced
@@ -211,8 +211,8 @@ class OpenAIServer:
             raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
                            param="messages") from None
         logprobs = body.requested_logprobs()
-        gens = self.choices.submit_choices([ids], body.n, body.max_completion_tokens or body.max_tokens,
-                                   lambda cap: body.sampling(cap, logprobs), body.routing)
+        gens = self.choices.submit_choices([ids], body.n, body.sampling(body.max_completion_tokens or body.max_tokens,
+                                                                        logprobs), body.routing)
         rid, created = "chat" + gens[0].stream.rid, int(time.time())
         first = [True] * len(gens)
         traced = gens[0].traced

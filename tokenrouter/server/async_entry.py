@@ -12,7 +12,6 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,14 +87,14 @@ class AsyncEntry:
         self._wake_ctx.destroy(linger=0)
 
     # ---- commands from the event loop --------------------------------------------------------
-    def admit(self, prompt_ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams],
+    def admit(self, prompt_ids: list[int], params: SamplingParams,
               routing: dict[str, Any] | None = None) -> AdmittedPlan:
         """Check a request once, by OpenAI's rules, against the group's limits (which are constants,
         so this runs on the event loop); a bad one raises ValueError (handlers answer 400)."""
         entry = self.entry
         if entry is None:
             raise EntryUnavailable(str(self._error) if self._error else "the routed group is not serving")
-        return entry.rules.plan_openai(prompt_ids, max_tokens, sampling, routing)
+        return entry.rules.plan_openai(prompt_ids, params, routing)
 
     def submit(self, plan: AdmittedPlan) -> RequestStream:
         """Queue an admitted request. Its events (TokenOut, then one Done) arrive on the stream's queue."""

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
@@ -32,10 +32,9 @@ class ChoiceRunner:
         self.runtime, self.metrics, self.request_timeout = runtime, metrics, request_timeout
 
     # ---- admission: the request is checked once, by the runtime's rules, into the plan it runs ----
-    def submit(self, ids: list[int], max_tokens: int | None, sampling: Callable[[int], SamplingParams],
-               routing: dict[str, Any] | None = None) -> Generation:
+    def submit(self, ids: list[int], params: SamplingParams, routing: dict[str, Any] | None = None) -> Generation:
         try:
-            plan = self.runtime.admit(ids, max_tokens, sampling, routing)
+            plan = self.runtime.admit(ids, params, routing)
             return Generation(self.runtime.submit(plan), plan.options.trace)
         except InvalidRequest as e:
             raise APIError(400, str(e), param=e.param) from None
@@ -47,21 +46,17 @@ class ChoiceRunner:
             raise APIError(503, "the server cannot take requests: the model group is not serving",
                            type_="service_unavailable") from None
 
-    def submit_choices(self, prompts: list[list[int]], n: int, max_tokens: int | None,
-                       sampling: Callable[[int], SamplingParams], routing: dict[str, Any] | None) -> list[Generation]:
+    def submit_choices(self, prompts: list[list[int]], n: int, params: SamplingParams,
+                       routing: dict[str, Any] | None) -> list[Generation]:
         """A request's choices, each a routed request of its own: choice i*n + j is prompt i's j-th
         (OpenAI's numbering). As vLLM, choice j of a seeded request samples with seed + j, so the n
         choices differ. If one is refused, those already submitted are aborted."""
-        def choice(j: int) -> Callable[[int], SamplingParams]:
-            def make(cap: int) -> SamplingParams:
-                params = sampling(cap)
-                return params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
-            return make
-
+        choices = [params if params.seed is None or j == 0 else dataclasses.replace(params, seed=params.seed + j)
+                   for j in range(n)]
         gens: list[Generation] = []
         try:
             for ids in prompts:
-                gens += [self.submit(ids, max_tokens, choice(j), routing) for j in range(n)]
+                gens += [self.submit(ids, choice, routing) for choice in choices]
         except APIError:
             for gen in gens:
                 self.runtime.abort(gen.stream.rid)

@@ -164,7 +164,9 @@ class _Sampling(_Strict):
             out[tok] = min(100.0, max(-100.0, bias))
         return out
 
-    def sampling(self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                 ) -> SamplingParams:
+        """The request's SamplingParams; max_tokens None (fill the context) is resolved at admission."""
         temperature = 1.0 if self.temperature is None else self.temperature
         try:
             return SamplingParams(

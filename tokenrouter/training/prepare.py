@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tokenrouter.routing import algorithm_class
 from tokenrouter.training import arith, champ, large_answers
 from tokenrouter.training.champ import chat_prompts
 from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
@@ -45,7 +46,7 @@ from tokenrouter.training.operating_point import Point, choose, measure
 from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
-THRESHOLD_PARAM = {"citer": "tau", "co_llm": "eta"}  # R2R: "threshold"
+THRESHOLD_PARAM = {kind: algorithm_class(kind).knob_param() for kind in ROUTER_KINDS}  # the algorithms' own
 
 
 @dataclass

@@ -33,7 +33,7 @@ class SubserverActor:
         """Serve model `name` of the group (its config as GroupConfig.to_dict gives it)."""
         import ray
 
-        from tokenrouter.runtime.subserver import configure_process, serve_subserver
+        from tokenrouter.runtime.subserver_process import configure_process, serve_subserver
 
         cfg = GroupConfig.from_dict(group)
         model = cfg.spec(name)
