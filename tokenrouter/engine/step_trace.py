@@ -150,3 +150,39 @@ def runtime_costs(steps: list[Step], small: int = 0, large: int = 1, max_gap: fl
         l_step_gap=float(np.mean(l_gap[l_gap < max_gap])) if (l_gap < max_gap).any() else 0.0,
         handoff=float(np.mean(waits)) if waits else 0.0,
         s_steps=len(s), l_steps=len(ls), handoffs=len(waits))
+
+
+@dataclass
+class Runs:
+    """Run lengths of one model read off a trace: a run is the consecutive steps of that model on one
+    request. `sent` ended in a hand-off to another model; `cut` ended with the request (censored:
+    the request finished, or the trace window closed, before the run would have ended)."""
+
+    sent: list[int]
+    cut: list[int]
+
+
+def visit_runs(steps: list[Step]) -> dict[str, list[tuple[int, int]]]:
+    """Each request's visits in order, as (model, steps in a row on it), from a trace sorted by start.
+    A step on a request is one token decision of that model (prefill included: its step samples the
+    request's first token), so a visit's steps are the run length between two sends."""
+    visits: dict[str, list[list[int]]] = {}
+    for s in steps:
+        for rid in s.rids:
+            v = visits.setdefault(rid, [])
+            if v and v[-1][0] == s.model:
+                v[-1][1] += 1
+            else:
+                v.append([s.model, 1])
+    return {rid: [(m, k) for m, k in v] for rid, v in visits.items()}
+
+
+def send_runs(steps: list[Step], model: int) -> Runs:
+    """Run lengths (steps) of `model` between sends: every visit but a request's last ends in a send."""
+    sent: list[int] = []
+    cut: list[int] = []
+    for v in visit_runs(steps).values():
+        for i, (m, k) in enumerate(v):
+            if m == model:
+                (sent if i < len(v) - 1 else cut).append(k)
+    return Runs(sent, cut)
