@@ -4,9 +4,13 @@ throughput chain's geometric assumption; and the planner's error with either.
 For each router, the routed runtime on the latency-model executor (paper profile) runs closed loops
 at concurrency N for a few thresholds B, on separate devices and co-located, with the step trace on
 (tokenrouter/engine/step_trace.py). From the trace: every request's visits and the small model's
-run lengths between sends (`send_runs`, censored runs included), the geometric fit and its
+run lengths between sends (`send_runs`, censored runs included; both routers draw per request seed
+and position, so every run of a router sends alike and the first run's trace is the sample), the
+geometric fit and its
 goodness of fit (tokenrouter/planner/gaps.py: hazard chi-square, Kaplan-Meier distance). Then, for
-each measured run, two predictions against the measured steady-state throughput:
+each measured run, two predictions against the measured steady-state throughput, both with that
+run's own per-step gaps read off its trace (the machine is shared, so the runtime's overhead drifts
+between runs) and the calibration's hand-off latency:
 
 - the continuous-time chain (tokenrouter/planner/continuous.py) with p = the fitted send probability
   (geometric runs, the chain's assumption);
@@ -36,9 +40,9 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import read_trace, send_runs
+from tokenrouter.engine.step_trace import read_trace, runtime_costs, send_runs
 from tokenrouter.models.random_model import build_random_model
-from tokenrouter.planner import throughput_curve
+from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs
 from tokenrouter.planner.sim import simulate
 from tokenrouter.runtime.entry import Entry
@@ -109,10 +113,12 @@ def main() -> int:
                     res = closed_loop(entry, args.n, b, prompts_for(args.waves * args.n), params)
                     steps = read_trace(trace_dir, t0, time.perf_counter())
                     r = send_runs(steps, 0)
-                    sent += r.sent
-                    cut += r.cut
-                    l_sent += send_runs(steps, 1).sent
-                    runs.append({"alpha": alpha, "b": b, "steady": res.steady_throughput, "whole": res.throughput})
+                    if not runs:  # the routers draw per (request seed, position): every run sends alike
+                        sent, cut, l_sent = r.sent, r.cut, send_runs(steps, 1).sent
+                    costs = runtime_costs(steps)
+                    runs.append({"alpha": alpha, "b": b, "steady": res.steady_throughput, "whole": res.throughput,
+                                 "s_step_gap": costs.s_step_gap or overheads.s_overhead,
+                                 "l_step_gap": costs.l_step_gap or overheads.l_overhead})
                     print(f"{spec} alpha={alpha:g} B={b}: {res.steady_throughput:.1f} tok/s steady, "
                           f"{len(r.sent)} runs sent, {len(r.cut)} cut", flush=True)
             finally:
@@ -122,8 +128,12 @@ def main() -> int:
         print(f"{spec}: {json.dumps(fit.to_json())}; large-model spans: {sorted(set(l_sent))}", flush=True)
         for run in runs:
             alpha, b = run["alpha"], run["b"]
-            geo = float(throughput_curve(args.n, fit.p, lat_s, lat_l, alpha, overheads=overheads)[b - 1])
-            sim = simulate(args.n, b, lat_s, lat_l, alpha, gaps=gaps, overheads=overheads, s_steps=args.sim_steps)
+            # the run's own per-step gaps (the machine is shared: the runtime's overhead drifts between
+            # runs), the hand-off latency from the calibration, as benchmarks/ablation.py --report does
+            own = Overheads(s_token=overheads.s_token, l_token=overheads.l_token, s_overhead=run["s_step_gap"],
+                            l_overhead=run["l_step_gap"], handoff=overheads.handoff)
+            geo = float(throughput_curve(args.n, fit.p, lat_s, lat_l, alpha, overheads=own)[b - 1])
+            sim = simulate(args.n, b, lat_s, lat_l, alpha, gaps=gaps, overheads=own, s_steps=args.sim_steps)
             run.update(geometric_chain=geo, measured_runs_model=sim.throughput, measured_runs_stderr=sim.stderr,
                        geometric_error=geo / run["steady"] - 1, measured_runs_error=sim.throughput / run["steady"] - 1)
         report["routers"][spec] = {"fit": fit.to_json(), "runs": runs, "steps": fit.steps.tolist(),

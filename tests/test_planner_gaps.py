@@ -75,3 +75,21 @@ def test_simulator_inter_token_latency():
     r = simulate(4, 1, 0.01, 0.03, 1.0, p=0.02, s_steps=20_000)
     assert r.itl_percentile(50) == pytest.approx(0.01, rel=0.01)
     assert r.itl_percentile(99) >= 0.04 - 1e-9
+
+
+def test_slo_threshold_trades_throughput_for_the_p99_bound():
+    from tokenrouter.planner.slo import slo_threshold
+
+    # co-located, r = 4, N = 8, p = 0.1: throughput peaks near B = 5 while p99 ITL grows with B
+    kw = dict(p=0.1, b_values=[1, 3, 5, 7], s_steps=4000)
+    free = slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=10.0, **kw)
+    assert free.feasible and free.b == max(free.points, key=lambda pt: pt.throughput).b and free.b >= 5
+    p99 = {pt.b: pt.itl_p99 for pt in free.points}
+    assert p99[1] < p99[3] < p99[5] < p99[7]
+    bound = (p99[3] + p99[5]) / 2
+    tight = slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=bound, **kw)
+    assert tight.feasible and tight.b == 3 and tight.point().itl_p99 <= bound
+    none = slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=p99[1] / 2, **kw)
+    assert not none.feasible and none.b == 1
+    with pytest.raises(ValueError, match="bound"):
+        slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=0.0, **kw)
