@@ -52,8 +52,8 @@ def _ints(s: str) -> list[int]:
 
 
 def around(best: int, n: int) -> list[int]:
-    """B = 1, half the planner's, the planner's, its double and N (the mis-set candidates)."""
-    return sorted({1, max(1, best // 2), best, min(n, 2 * best), n} - {0})
+    """B = 1, half the planner's, the planner's and its double (the mis-set candidates)."""
+    return sorted({1, max(1, best // 2), best, min(n, 2 * best)})
 
 
 def place(alpha: float) -> str:
