@@ -13,7 +13,8 @@ against B (PNG).
 Drift (--drift): a closed loop whose share changes half-way (the first half of the requests route
 with p = --p-before, the second with --p-after, per request), run with fixed thresholds B (the same
 table for every live count) and with the online planner (launch policy `planner`, which estimates p
-from the tokens it sees and re-plans, tokenrouter/planner/controller.py). Prints each run's whole-run
+from the tokens it sees and re-plans, tokenrouter/planner/controller.py), once with its estimate over
+every token since the start and once with a memory of --windows tokens. Prints each run's whole-run
 throughput and the planner's loss against the best fixed B.
 
     ... b_misset.py --profile P --drift --n 8 --interference 1 --b 1,2,3,4,5,6
@@ -158,18 +159,22 @@ def drift(args, path: str, profile: LatencyProfile) -> int:
     finally:
         entry.close()
     planner = {"policy": "planner", "alpha": alpha, "p": args.p0, "n_max": n}
-    entry = Entry(group(path, prof, args.p_before, planner, alpha))
-    try:
-        res = run_closed_loop(entry, prompts, params, concurrency=n, seed=1, routings=routings)
-        ctl = entry.planner
-        rows["planner"] = res.throughput
-        print(f"online planner: {res.throughput:.1f} tok/s; final estimate p = {ctl.estimate[0]:.3f}, "
-              f"table {ctl.table}", flush=True)
-    finally:
-        entry.close()
-    best = max((v, k) for k, v in rows.items() if k != "planner")
-    print(f"\ndrift p {args.p_before} -> {args.p_after}, N = {n}, {place(alpha)}: best fixed {best[1]} "
-          f"{best[0]:.1f} tok/s; online planner {rows['planner']:.1f} ({100 * (rows['planner'] / best[0] - 1):+.1f}%)")
+    for window in _ints(args.windows):
+        entry = Entry(group(path, prof, args.p_before, planner, alpha))
+        try:
+            entry.planner.window = window or None  # the controller's memory (PlannerController(window=...))
+            res = run_closed_loop(entry, prompts, params, concurrency=n, seed=1, routings=routings)
+            ctl = entry.planner
+            rows[f"planner, window {window or 'none'}"] = res.throughput
+            print(f"online planner (window {window or 'none'}): {res.throughput:.1f} tok/s; final estimate "
+                  f"p = {ctl.estimate[0]:.3f}, table {ctl.table}", flush=True)
+        finally:
+            entry.close()
+    best = max((v, k) for k, v in rows.items() if not k.startswith("planner"))
+    print(f"\ndrift p {args.p_before} -> {args.p_after}, N = {n}, {place(alpha)}: best fixed {best[1]} {best[0]:.1f} tok/s")
+    for k, v in rows.items():
+        if k.startswith("planner"):
+            print(f"online {k}: {v:.1f} tok/s ({100 * (v / best[0] - 1):+.1f}% against the best fixed B)")
     if args.out:
         with open(args.out, "a") as f:
             f.write(json.dumps({"drift": [args.p_before, args.p_after], "n": n, "alpha": alpha, **rows}) + "\n")
@@ -190,6 +195,8 @@ def main() -> int:
     ap.add_argument("--p-after", type=float, default=0.3)
     ap.add_argument("--p0", type=float, default=0.1, help="--drift: the planner's starting p (launch.p)")
     ap.add_argument("--b", default="1,2,3,4,6,8", help="--drift: the fixed thresholds")
+    ap.add_argument("--windows", default="0,2000",
+                    help="--drift: the planner's memory in tokens, one run each (0: none, every token since the start)")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--out", default=None, help="append JSON lines here")
     args = ap.parse_args()

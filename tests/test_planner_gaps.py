@@ -93,3 +93,31 @@ def test_slo_threshold_trades_throughput_for_the_p99_bound():
     assert not none.feasible and none.b == 1
     with pytest.raises(ValueError, match="bound"):
         slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=0.0, **kw)
+
+
+def test_controller_window_forgets_a_share_that_changed():
+    from tokenrouter.planner.controller import PlannerController
+
+    def feed(ctl, p, tokens):
+        rng = np.random.default_rng(0)
+        prev = None
+        for go in rng.random(tokens) < p:  # a visit of one L token, else an S token
+            model = "large" if go and prev != "large" else "small"
+            ctl.observe(prev, model)
+            prev = model
+
+    kw = dict(lat_s=0.012, lat_l=0.03, alpha=1.0, n_max=4, p0=0.05)
+    cumulative = PlannerController("small", "large", **kw)
+    windowed = PlannerController("small", "large", window=1000, **kw)
+    try:
+        for ctl in (cumulative, windowed):
+            feed(ctl, 0.05, 20_000)
+            feed(ctl, 0.3, 6000)
+        true_p = 0.3 * 0.7 / (1 - 0.3 * 0.3)  # visits per decision when a visit cannot follow a visit
+        assert windowed.estimate[0] == pytest.approx(true_p, rel=0.1)
+        assert cumulative.estimate[0] < 0.6 * true_p  # still mostly the old share
+        with pytest.raises(ValueError, match="window"):
+            PlannerController("small", "large", window=0, **kw)
+    finally:
+        cumulative.close()
+        windowed.close()
