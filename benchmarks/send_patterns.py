@@ -10,7 +10,9 @@ geometric fit and its
 goodness of fit (tokenrouter/planner/gaps.py: hazard chi-square, Kaplan-Meier distance). Then, for
 each measured run, two predictions against the measured steady-state throughput, both with that
 run's own per-step gaps read off its trace (the machine is shared, so the runtime's overhead drifts
-between runs) and the calibration's hand-off latency:
+between runs) and the calibration's hand-off latency; then both again with the run's own step
+latencies (its steps' measured durations over the profile's, `latency_ratio`: a loaded host stretches
+the executor's sleeps, which no model of the runtime should be blamed for):
 
 - the continuous-time chain (tokenrouter/planner/continuous.py) with p = the fitted send probability
   (geometric runs, the chain's assumption);
@@ -40,7 +42,7 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import read_trace, runtime_costs, send_runs
+from tokenrouter.engine.step_trace import latency_ratio, read_trace, runtime_costs, send_runs
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs
@@ -111,14 +113,17 @@ def main() -> int:
                 for b in bs:
                     t0 = time.perf_counter()
                     res = closed_loop(entry, args.n, b, prompts_for(args.waves * args.n), params)
-                    steps = read_trace(trace_dir, t0, time.perf_counter())
+                    t1 = time.perf_counter()
+                    steps = read_trace(trace_dir, t0, t1)
                     r = send_runs(steps, 0)
                     if not runs:  # the routers draw per (request seed, position): every run sends alike
                         sent, cut, l_sent = r.sent, r.cut, send_runs(steps, 1).sent
                     costs = runtime_costs(steps)
                     runs.append({"alpha": alpha, "b": b, "steady": res.steady_throughput, "whole": res.throughput,
                                  "s_step_gap": costs.s_step_gap or overheads.s_overhead,
-                                 "l_step_gap": costs.l_step_gap or overheads.l_overhead})
+                                 "l_step_gap": costs.l_step_gap or overheads.l_overhead, "window": [t0, t1],
+                                 "s_ratio": latency_ratio(steps, 0, profile.models["small"], apart_from=1),
+                                 "l_ratio": latency_ratio(steps, 1, profile.models["large"])})
                     print(f"{spec} alpha={alpha:g} B={b}: {res.steady_throughput:.1f} tok/s steady, "
                           f"{len(r.sent)} runs sent, {len(r.cut)} cut", flush=True)
             finally:
@@ -134,6 +139,16 @@ def main() -> int:
                             l_overhead=run["l_step_gap"], handoff=overheads.handoff)
             geo = float(throughput_curve(args.n, fit.p, lat_s, lat_l, alpha, overheads=own)[b - 1])
             sim = simulate(args.n, b, lat_s, lat_l, alpha, gaps=gaps, overheads=own, s_steps=args.sim_steps)
+            # and with the run's own step latencies: its steps against the profile's (a loaded host
+            # stretches the executor's sleeps)
+            rs, rl = run["s_ratio"], run["l_ratio"]
+            rs = rs if rs == rs else 1.0
+            own_s, own_l = (lambda b_: rs * lat_s(b_)), (lambda b_: rl * lat_l(b_))
+            geo_own = float(throughput_curve(args.n, fit.p, own_s, own_l, alpha, overheads=own)[b - 1])
+            sim_own = simulate(args.n, b, own_s, own_l, alpha, gaps=gaps, overheads=own, s_steps=args.sim_steps)
+            run.update(geometric_own=geo_own, measured_runs_own=sim_own.throughput,
+                       geometric_own_error=geo_own / run["steady"] - 1,
+                       measured_runs_own_error=sim_own.throughput / run["steady"] - 1)
             run.update(geometric_chain=geo, measured_runs_model=sim.throughput, measured_runs_stderr=sim.stderr,
                        geometric_error=geo / run["steady"] - 1, measured_runs_error=sim.throughput / run["steady"] - 1)
         report["routers"][spec] = {"fit": fit.to_json(), "runs": runs, "steps": fit.steps.tolist(),
@@ -146,19 +161,26 @@ def main() -> int:
         print(f"| {spec} | {f['runs']} ({f['censored']}) | {f['p']:.4f} | {f['mean_steps']:.2f} | "
               f"{f['cv']:.3f} ({f['geometric_cv']:.3f}) | {f['chi2']:.1f} ({f['dof']}), {f['p_value']:.3g} | "
               f"{f['ks']:.3f} |")
-    print("\n| router | placement | B | measured tok/s | geometric chain (error) | measured-runs model (error) |")
-    print("|---|---|---:|---:|---|---|")
+    print("\n| router | placement | B | measured tok/s | geometric chain (error) | measured-runs model (error) | "
+          "step-latency ratio S / L | geometric, own latencies | measured-runs, own latencies |")
+    print("|---|---|---:|---:|---|---|---|---|---|")
     for spec, r in report["routers"].items():
         for run in r["runs"]:
             place = "separate" if run["alpha"] == 0 else "co-located" if run["alpha"] == 1 else f"alpha {run['alpha']:g}"
             print(f"| {spec} | {place} | {run['b']} | {run['steady']:.1f} | {run['geometric_chain']:.1f} "
                   f"({100 * run['geometric_error']:+.1f}%) | {run['measured_runs_model']:.1f} +- "
-                  f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) |")
+                  f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) | "
+                  f"{run['s_ratio']:.3f} / {run['l_ratio']:.3f} | {100 * run['geometric_own_error']:+.1f}% | "
+                  f"{100 * run['measured_runs_own_error']:+.1f}% |")
     for spec, r in report["routers"].items():
         ge = [abs(x["geometric_error"]) for x in r["runs"]]
         me = [abs(x["measured_runs_error"]) for x in r["runs"]]
+        go = [abs(x["geometric_own_error"]) for x in r["runs"]]
+        mo = [abs(x["measured_runs_own_error"]) for x in r["runs"]]
         print(f"{spec}: mean |error| geometric chain {100 * np.mean(ge):.1f}% (max {100 * max(ge):.1f}%), "
-              f"measured-runs model {100 * np.mean(me):.1f}% (max {100 * max(me):.1f}%)")
+              f"measured-runs model {100 * np.mean(me):.1f}% (max {100 * max(me):.1f}%); with each run's own "
+              f"step latencies: {100 * np.mean(go):.1f}% (max {100 * max(go):.1f}%) and {100 * np.mean(mo):.1f}% "
+              f"(max {100 * max(mo):.1f}%)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

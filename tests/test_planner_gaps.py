@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tokenrouter.engine.step_trace import Step, send_runs, visit_runs
+from tokenrouter.engine.step_trace import Step, latency_ratio, send_runs, visit_runs
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs, hazard
 from tokenrouter.planner.sim import simulate
@@ -55,6 +55,12 @@ def test_runs_from_a_trace():
     runs = send_runs(steps, 0)
     assert runs.sent == [2] and sorted(runs.cut) == [2, 3]
     assert send_runs(steps, 1).sent == [1]
+    # measured over modelled seconds, leaving out the S steps that overlap an L step
+    flat = lambda b, tokens: 0.5  # noqa: E731
+    assert latency_ratio(steps, 0, flat) == pytest.approx(2.0)
+    steps[2] = Step(1, 2.5, 3.5, ["a"], [3])  # overlaps S's step at 3..4
+    assert latency_ratio(steps, 0, flat, apart_from=1) == pytest.approx(2.0)
+    assert latency_ratio(steps, 0, lambda b, tokens: 0.25 * tokens, apart_from=1) == pytest.approx(3 / (0.25 * 11))
 
 
 def test_simulator_charges_the_runtime_like_the_continuous_chain():

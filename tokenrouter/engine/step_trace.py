@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
@@ -186,3 +187,21 @@ def send_runs(steps: list[Step], model: int) -> Runs:
             if m == model:
                 (sent if i < len(v) - 1 else cut).append(k)
     return Runs(sent, cut)
+
+
+def latency_ratio(steps: list[Step], model: int, latency: Callable[[int, int], float],
+                  apart_from: int | None = None) -> float:
+    """Measured over modelled seconds of `model`'s steps: sum of durations / sum of latency(batch,
+    tokens). Above 1 when the machine stretched the executor's sleeps (a loaded host). Steps that
+    overlap one of `apart_from`'s are left out (a co-located peer slows them on purpose). NaN when
+    no step is left."""
+    peer = np.array([(s.start, s.end) for s in steps if s.model == apart_from]) if apart_from is not None else None
+    took = modelled = 0.0
+    for s in steps:
+        if s.model != model:
+            continue
+        if peer is not None and len(peer) and ((peer[:, 0] < s.end) & (peer[:, 1] > s.start)).any():
+            continue
+        took += s.end - s.start
+        modelled += latency(len(s.rids), sum(s.extend_lens))
+    return took / modelled if modelled > 0 else float("nan")
