@@ -113,12 +113,12 @@ def test_controller_window_forgets_a_share_that_changed():
             prev = model
 
     kw = dict(lat_s=0.012, lat_l=0.03, alpha=1.0, n_max=4, p0=0.05)
-    cumulative = PlannerController("small", "large", **kw)
-    windowed = PlannerController("small", "large", window=1000, **kw)
+    cumulative = PlannerController("small", "large", window=None, **kw)
+    windowed = PlannerController("small", "large", **kw)  # the default memory: 2000 tokens
     try:
         for ctl in (cumulative, windowed):
             feed(ctl, 0.05, 20_000)
-            feed(ctl, 0.3, 6000)
+            feed(ctl, 0.3, 10_000)
         true_p = 0.3 * 0.7 / (1 - 0.3 * 0.3)  # visits per decision when a visit cannot follow a visit
         assert windowed.estimate[0] == pytest.approx(true_p, rel=0.1)
         assert cumulative.estimate[0] < 0.6 * true_p  # still mostly the old share

@@ -24,7 +24,7 @@ Latency = Callable[[int], float]
 class PlannerController:
     def __init__(self, small: str, large: str, lat_s: Latency, lat_l: Latency, alpha: float, n_max: int,
                  p0: float = 0.1, min_tokens: int = 500, min_interval: float = 5.0, tolerance: float = 0.2,
-                 overheads: Overheads | None = None, window: int | None = None) -> None:
+                 overheads: Overheads | None = None, window: int | None = 2000) -> None:
         self.small, self.large = small, large
         self.overheads = overheads  # given: plan with the continuous-time chain (spans then fall back to none)
         self.lat_s, self.lat_l = lat_s, lat_l
@@ -32,8 +32,9 @@ class PlannerController:
         self.min_tokens, self.min_interval, self.tolerance = min_tokens, min_interval, tolerance
         if window is not None and window < 1:
             raise ValueError(f"planner window must be >= 1 token, got {window}")
-        # None: p and q_L over every token since the start; else the counts halve every `window`
-        # tokens, so the estimate forgets a share that changed (an exponential memory of ~window tokens)
+        # The counts halve every `window` tokens, so the estimate forgets a share that changed (an
+        # exponential memory of about `window` tokens; docs/BENCHMARKS.md, "The share changes half-way").
+        # None: p and q_L over every token since the start.
         self.window = window
         self._since_decay = 0
         self.seen = 0  # tokens observed since the start (never decayed)
