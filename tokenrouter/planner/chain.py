@@ -77,7 +77,8 @@ What the chain does not cover
   search is over a grid) and an interference matrix (alpha_ij between every pair that shares
   devices). With two or more slow models in flight at once there is no moment at which all but S
   are idle, so the embedded chain used here does not apply; the full chain's state space is the
-  product of the per-model spaces (about (N^2 r / 2)^k for k slow models). Not implemented.
+  product of the per-model spaces (about (N^2 r / 2)^k for k slow models). Not a chain here:
+  `tokenrouter.planner.group_sim` simulates that system and searches the threshold vectors.
 - Prefill, request arrival and finish (the system is closed, with N fixed), KV-cache capacity,
   a cap on L's batch, the S-to-L transfer time, and randomness in step latency.
 - S's step latency in the chain is taken at its batch at launch during L steps (see above); the
