@@ -74,7 +74,7 @@ def sweep(args, path: str, profile: LatencyProfile) -> int:
                     t0 = time.perf_counter()
                     curve = throughput_curve(n, p, lat_s, lat_l, alpha, overheads=overheads)
                     solve_s = time.perf_counter() - t0
-                    planner_b = _pick(curve)
+                    planner_b = planner_pick(curve)
                     meas = {}
                     for b in around(planner_b, n):
                         res = closed_loop(entry, n, b, prompts_for(args.waves * n), params)
@@ -105,7 +105,7 @@ def sweep(args, path: str, profile: LatencyProfile) -> int:
     return 0
 
 
-def _pick(curve: np.ndarray, min_gain: float = 0.01) -> int:
+def planner_pick(curve: np.ndarray, min_gain: float = 0.01) -> int:
     """The planner's rule (tokenrouter.planner.chain.best_thresholds): the smallest B within 1% of the best."""
     ok = np.nonzero(curve >= curve.max() / (1.0 + min_gain))[0]
     return int(ok[0]) + 1

@@ -37,7 +37,7 @@ from tokenrouter.runtime.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ablation import closed_loop, group, latencies, load_overheads, prompts_for  # noqa: E402
-from b_misset import _pick  # noqa: E402
+from b_misset import planner_pick  # noqa: E402
 
 
 def main() -> int:
@@ -60,7 +60,7 @@ def main() -> int:
     lat_s, lat_l = latencies(profile)
     overheads = load_overheads(profile, args.runtime)
     n, p = args.n, args.p
-    aligned_b = _pick(throughput_curve(n, p, lat_s, lat_l, alpha))  # best_thresholds' rule, at N alone
+    aligned_b = planner_pick(throughput_curve(n, p, lat_s, lat_l, alpha))  # best_thresholds' rule, at N alone
     bound = zero_wait_bound(n, p, lat_s, lat_l)
     print(f"N = {n}, p = {p}, alpha = {alpha}: aligned chain's B = {aligned_b} (scaling.py's); zero-wait bound "
           f"{bound:.0f} tok/s", flush=True)

@@ -33,7 +33,7 @@ from tokenrouter.runtime.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ablation import closed_loop, group, latencies, load_overheads, prompts_for  # noqa: E402
-from b_misset import _pick, around, place  # noqa: E402
+from b_misset import around, place, planner_pick  # noqa: E402
 
 
 def ms(x: float) -> str:
@@ -66,7 +66,7 @@ def main() -> int:
         try:
             for n in [int(v) for v in args.n.split(",")]:
                 curve = throughput_curve(n, p, lat_s, lat_l, alpha, overheads=overheads)
-                planner_b = _pick(curve)
+                planner_b = planner_pick(curve)
                 cands = around(planner_b, n)
                 slo = slo_threshold(n, lat_s, lat_l, alpha, itl_p99_max=args.itl_p99, p=p, overheads=overheads,
                                     b_values=cands, s_steps=args.sim_steps)
