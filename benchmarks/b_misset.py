@@ -85,7 +85,8 @@ def sweep(args, path: str, profile: LatencyProfile) -> int:
                                   "measured": meas, "solve_s": solve_s})
             finally:
                 entry.close()
-    print("\n| placement | p | N | planner's B | measured best B | throughput at each measured B (loss vs best measured) "
+    print("\n| placement | p | N | planner's B | measured best B | throughput at each measured B "
+          "(loss vs best measured) "
           "| predicted loss of B = 1 | loss at planner's B |")
     print("|---|---:|---:|---:|---:|---|---:|---:|")
     for c in cells:
@@ -171,7 +172,8 @@ def drift(args, path: str, profile: LatencyProfile) -> int:
         finally:
             entry.close()
     best = max((v, k) for k, v in rows.items() if not k.startswith("planner"))
-    print(f"\ndrift p {args.p_before} -> {args.p_after}, N = {n}, {place(alpha)}: best fixed {best[1]} {best[0]:.1f} tok/s")
+    print(f"\ndrift p {args.p_before} -> {args.p_after}, N = {n}, {place(alpha)}: best fixed {best[1]} "
+          f"{best[0]:.1f} tok/s")
     for k, v in rows.items():
         if k.startswith("planner"):
             print(f"online {k}: {v:.1f} tok/s ({100 * (v / best[0] - 1):+.1f}% against the best fixed B)")

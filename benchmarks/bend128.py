@@ -100,7 +100,8 @@ def main() -> int:
           "ms, catch-up tokens | large busy (small frozen) | small batch mean / max | step latency ratio S / L |")
     print("|---:|---:|---:|---:|---|---|---:|---:|---|")
     for r in rows:
-        print(f"| {r['max_running']} | {r['b']} | {r['steady']:.0f} | {100 * r['share_of_bound']:.1f}% | {r['sim']:.0f} +- {r['sim_stderr']:.0f} | "
+        print(f"| {r['max_running']} | {r['b']} | {r['steady']:.0f} | {100 * r['share_of_bound']:.1f}% | "
+              f"{r['sim']:.0f} +- {r['sim_stderr']:.0f} | "
               f"{r['l_batch']:.1f}, {r['l_step_ms']:.1f}, {r['l_catchup']:.1f} | {100 * r['l_busy']:.0f}% | "
               f"{r['s_batch']:.1f} / {r['s_batch_max']} | {r['s_ratio']:.3f} / {r['l_ratio']:.3f} |")
     if args.out:

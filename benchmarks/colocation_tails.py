@@ -8,8 +8,8 @@ ITL and TTFT are taken as the entry hands tokens out (no HTTP): ITL is every gap
 of one request, TTFT from admission to the first token. The simulator has no prefill and no
 admission (a closed system), so it predicts ITL only.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/colocation_tails.py --profile profiles/paper_qwen3_0.6b_32b_a100.json \\
-        --runtime docs/bench/runtime_cal.json --itl-p99 0.1
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/colocation_tails.py \\
+        --profile profiles/paper_qwen3_0.6b_32b_a100.json --runtime docs/bench/runtime_cal.json --itl-p99 0.1
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ def main() -> int:
                     row = {"alpha": alpha, "n": n, "b": b, "planner_b": planner_b, "slo_b": slo.b,
                            "slo_feasible": slo.feasible, "steady": res.steady_throughput,
                            "itl_p50": float(np.percentile(res.itl, 50)), "itl_p99": float(np.percentile(res.itl, 99)),
-                           "ttft_p50": float(np.percentile(res.ttft, 50)), "ttft_p99": float(np.percentile(res.ttft, 99)),
+                           "ttft_p50": float(np.percentile(res.ttft, 50)),
+                           "ttft_p99": float(np.percentile(res.ttft, 99)),
                            "sim_throughput": sim.throughput, "sim_itl_p50": sim.itl_percentile(50),
                            "sim_itl_p99": sim.itl_percentile(99), "chain": float(curve[b - 1])}
                     rows.append(row)

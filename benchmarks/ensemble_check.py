@@ -44,7 +44,8 @@ WEIGHTS = (0.5, 0.3, 0.2)
 
 def profile(colocated: bool) -> dict:
     inter = {"small": {"medium": 1.0, "large": 1.0}, "medium": {"large": 1.0}} if colocated else {}
-    return {"models": MODELS, "interference": inter, "notes": "three-model ensemble check (benchmarks/ensemble_check.py)"}
+    return {"models": MODELS, "interference": inter,
+            "notes": "three-model ensemble check (benchmarks/ensemble_check.py)"}
 
 
 def alpha_matrix(colocated: bool) -> list[list[float]]:
@@ -108,7 +109,8 @@ def main() -> int:
         print(f"| {tuple(r['thresholds'])}{tag} | {r['measured']:.1f} | {r['predicted']:.1f} +- {r['stderr']:.1f} "
               f"({100 * (r['predicted'] / r['measured'] - 1):+.1f}%) |")
     print(f"\nplanner's {tuple(mine['thresholds'])}: {mine['measured']:.1f} tok/s measured, "
-          f"{100 * (mine['measured'] / best['measured'] - 1):+.1f}% against the best measured {tuple(best['thresholds'])} "
+          f"{100 * (mine['measured'] / best['measured'] - 1):+.1f}% against the best measured "
+          f"{tuple(best['thresholds'])} "
           f"({best['measured']:.1f})")
     if args.out:
         with open(args.out, "a") as f:

@@ -166,7 +166,8 @@ def main() -> int:
     print("|---|---|---:|---:|---|---|---|---|---|")
     for spec, r in report["routers"].items():
         for run in r["runs"]:
-            place = "separate" if run["alpha"] == 0 else "co-located" if run["alpha"] == 1 else f"alpha {run['alpha']:g}"
+            a = run["alpha"]
+            place = "separate" if a == 0 else "co-located" if a == 1 else f"alpha {a:g}"
             print(f"| {spec} | {place} | {run['b']} | {run['steady']:.1f} | {run['geometric_chain']:.1f} "
                   f"({100 * run['geometric_error']:+.1f}%) | {run['measured_runs_model']:.1f} +- "
                   f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) | "
