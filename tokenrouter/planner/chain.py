@@ -66,8 +66,9 @@ What the chain does not cover
   mean gap (p = 1 / (1 + mean gap in tokens)). Run lengths read off a step trace are tested against
   the geometric assumption by `tokenrouter.planner.gaps.fit_runs`; a measured gap histogram is run
   exactly (in distribution, with the runtime's costs per request) by the Monte Carlo simulator
-  `tokenrouter.planner.sim.simulate`, which reports the difference; the exact chain would need per-request phases (a phase-type gap with m phases makes
-  the S population a vector of m counts, C(N + m - 1, m - 1) states per queue length). Bursty gaps
+  `tokenrouter.planner.sim.simulate`, which reports the difference; the exact chain would need
+  per-request phases (a phase-type gap with m phases makes the S population a vector of m counts,
+  C(N + m - 1, m - 1) states per queue length). Bursty gaps
   matter: gaps half 0 and half 18 tokens (mean 9, p = 0.1) at N = 8, r = 4, alpha = 1 give a best
   B of 4 in the simulator against 5 in the chain, and throughput up to 25 % apart at large B.
 - Spans on L are covered only as geometric (q_L); a span-length histogram is covered by the
