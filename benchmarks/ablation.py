@@ -43,11 +43,15 @@ from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import SetThresholds
 
 
-def group(path: str, profile: dict, p: float, launch: dict, interference: float) -> GroupConfig:
+def group(path: str, profile: dict, p: float, launch: dict, interference: float,
+          max_running: int = 64) -> GroupConfig:
+    """The bernoulli pair on the latency executor. `max_running`: each model's max_running_requests
+    (a concurrency above it queues requests at the small model: keep it >= the concurrency)."""
     prof = {**profile, "interference": {"small": {"large": interference}}}
+    kv = max(1 << 16, 512 * max_running)
     return GroupConfig.from_dict({
-        "models": [{"name": "small", "path": path, "kv_cache_tokens": 1 << 16, "max_running_requests": 64},
-                   {"name": "large", "path": path, "kv_cache_tokens": 1 << 16, "max_running_requests": 64}],
+        "models": [{"name": "small", "path": path, "kv_cache_tokens": kv, "max_running_requests": max_running},
+                   {"name": "large", "path": path, "kv_cache_tokens": kv, "max_running_requests": max_running}],
         "algorithm": {"name": "bernoulli", "p": p}, "launch": launch,
         "executor": {"mode": "latency", "profile": prof}})
 

@@ -126,13 +126,20 @@ def test_closed_loop_steady_window_and_step_trace(model_paths, tmp_path, monkeyp
     monkeypatch.setenv(ENV, str(tmp_path))
     entry = Entry(GroupConfig.from_dict(group(model_paths["llama"], p=0.2)))
     try:
+        # half the requests route with their own p = 0 (the small model writes every token)
         res = run_closed_loop(entry, [[1, 2, 3, i] for i in range(6)], SamplingParams(max_tokens=20, ignore_eos=True),
-                              concurrency=3, warmup_tokens=4)
+                              concurrency=3, warmup_tokens=4, routings=[None, {"p": 0.0}] * 3)
+        with pytest.raises(ValueError, match="one per prompt"):
+            run_closed_loop(entry, [[1, 2, 3]], SamplingParams(max_tokens=2), concurrency=1, routings=[])
     finally:
         entry.close()
     assert res.output_tokens == 120
+    # one time to first token per request, one inter-token gap per later token
+    assert len(res.ttft) == 6 and len(res.itl) == 120 - 6 and min(res.ttft + res.itl) >= 0
+    steps = read_trace(str(tmp_path))
+    seen_by_large = {r for s in steps if s.model == 1 for r in s.rids}
+    assert 1 <= len(seen_by_large) <= 3  # only the three without p = 0
     start, end = res.steady_window
     assert 0 < end - start < res.wall_seconds and 0 < res.steady_tokens < 120
-    steps = read_trace(str(tmp_path))
     assert {s.model for s in steps} == {0, 1} and all(len(s.rids) == len(s.extend_lens) for s in steps)
     assert runtime_costs(steps).s_steps == sum(s.model == 0 for s in steps)

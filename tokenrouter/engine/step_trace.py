@@ -22,6 +22,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
@@ -150,3 +151,57 @@ def runtime_costs(steps: list[Step], small: int = 0, large: int = 1, max_gap: fl
         l_step_gap=float(np.mean(l_gap[l_gap < max_gap])) if (l_gap < max_gap).any() else 0.0,
         handoff=float(np.mean(waits)) if waits else 0.0,
         s_steps=len(s), l_steps=len(ls), handoffs=len(waits))
+
+
+@dataclass
+class Runs:
+    """Run lengths of one model read off a trace: a run is the consecutive steps of that model on one
+    request. `sent` ended in a hand-off to another model; `cut` ended with the request (censored:
+    the request finished, or the trace window closed, before the run would have ended)."""
+
+    sent: list[int]
+    cut: list[int]
+
+
+def visit_runs(steps: list[Step]) -> dict[str, list[tuple[int, int]]]:
+    """Each request's visits in order, as (model, steps in a row on it), from a trace sorted by start.
+    A step on a request is one token decision of that model (prefill included: its step samples the
+    request's first token), so a visit's steps are the run length between two sends."""
+    visits: dict[str, list[list[int]]] = {}
+    for s in steps:
+        for rid in s.rids:
+            v = visits.setdefault(rid, [])
+            if v and v[-1][0] == s.model:
+                v[-1][1] += 1
+            else:
+                v.append([s.model, 1])
+    return {rid: [(m, k) for m, k in v] for rid, v in visits.items()}
+
+
+def send_runs(steps: list[Step], model: int) -> Runs:
+    """Run lengths (steps) of `model` between sends: every visit but a request's last ends in a send."""
+    sent: list[int] = []
+    cut: list[int] = []
+    for v in visit_runs(steps).values():
+        for i, (m, k) in enumerate(v):
+            if m == model:
+                (sent if i < len(v) - 1 else cut).append(k)
+    return Runs(sent, cut)
+
+
+def latency_ratio(steps: list[Step], model: int, latency: Callable[[int, int], float],
+                  apart_from: int | None = None) -> float:
+    """Measured over modelled seconds of `model`'s steps: sum of durations / sum of latency(batch,
+    tokens). Above 1 when the machine stretched the executor's sleeps (a loaded host). Steps that
+    overlap one of `apart_from`'s are left out (a co-located peer slows them on purpose). NaN when
+    no step is left."""
+    peer = np.array([(s.start, s.end) for s in steps if s.model == apart_from]) if apart_from is not None else None
+    took = modelled = 0.0
+    for s in steps:
+        if s.model != model:
+            continue
+        if peer is not None and len(peer) and ((peer[:, 0] < s.end) & (peer[:, 1] > s.start)).any():
+            continue
+        took += s.end - s.start
+        modelled += latency(len(s.rids), sum(s.extend_lens))
+    return took / modelled if modelled > 0 else float("nan")

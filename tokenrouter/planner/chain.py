@@ -63,10 +63,12 @@ bound is a true ceiling of the chain.
 What the chain does not cover
 -----------------------------
 - Non-geometric gaps between hand-offs. The chain keeps no per-request age, so it only knows the
-  mean gap (p = 1 / (1 + mean gap in tokens)). A measured gap histogram is run exactly (in
-  distribution) by the Monte Carlo simulator `tokenrouter.planner.sim.simulate`, which reports the
-  difference; the exact chain would need per-request phases (a phase-type gap with m phases makes
-  the S population a vector of m counts, C(N + m - 1, m - 1) states per queue length). Bursty gaps
+  mean gap (p = 1 / (1 + mean gap in tokens)). Run lengths read off a step trace are tested against
+  the geometric assumption by `tokenrouter.planner.gaps.fit_runs`; a measured gap histogram is run
+  exactly (in distribution, with the runtime's costs per request) by the Monte Carlo simulator
+  `tokenrouter.planner.sim.simulate`, which reports the difference; the exact chain would need
+  per-request phases (a phase-type gap with m phases makes the S population a vector of m counts,
+  C(N + m - 1, m - 1) states per queue length). Bursty gaps
   matter: gaps half 0 and half 18 tokens (mean 9, p = 0.1) at N = 8, r = 4, alpha = 1 give a best
   B of 4 in the simulator against 5 in the chain, and throughput up to 25 % apart at large B.
 - Spans on L are covered only as geometric (q_L); a span-length histogram is covered by the
@@ -76,7 +78,8 @@ What the chain does not cover
   search is over a grid) and an interference matrix (alpha_ij between every pair that shares
   devices). With two or more slow models in flight at once there is no moment at which all but S
   are idle, so the embedded chain used here does not apply; the full chain's state space is the
-  product of the per-model spaces (about (N^2 r / 2)^k for k slow models). Not implemented.
+  product of the per-model spaces (about (N^2 r / 2)^k for k slow models). Not a chain here:
+  `tokenrouter.planner.group_sim` simulates that system and searches the threshold vectors.
 - Prefill, request arrival and finish (the system is closed, with N fixed), KV-cache capacity,
   a cap on L's batch, the S-to-L transfer time, and randomness in step latency.
 - S's step latency in the chain is taken at its batch at launch during L steps (see above); the

@@ -24,12 +24,20 @@ Latency = Callable[[int], float]
 class PlannerController:
     def __init__(self, small: str, large: str, lat_s: Latency, lat_l: Latency, alpha: float, n_max: int,
                  p0: float = 0.1, min_tokens: int = 500, min_interval: float = 5.0, tolerance: float = 0.2,
-                 overheads: Overheads | None = None) -> None:
+                 overheads: Overheads | None = None, window: int | None = 2000) -> None:
         self.small, self.large = small, large
         self.overheads = overheads  # given: plan with the continuous-time chain (spans then fall back to none)
         self.lat_s, self.lat_l = lat_s, lat_l
         self.alpha, self.n_max = alpha, n_max
         self.min_tokens, self.min_interval, self.tolerance = min_tokens, min_interval, tolerance
+        if window is not None and window < 1:
+            raise ValueError(f"planner window must be >= 1 token, got {window}")
+        # The counts halve every `window` tokens, so the estimate forgets a share that changed (an
+        # exponential memory of about `window` tokens; docs/BENCHMARKS.md, "The share changes half-way").
+        # None: p and q_L over every token since the start.
+        self.window = window
+        self._since_decay = 0
+        self.seen = 0  # tokens observed since the start (never decayed)
         self.small_tokens = self.large_tokens = self.visits = 0
         self.p_planned, self.q_planned = p0, 0.0
         self.table = self._solve(p0, 0.0)
@@ -48,12 +56,20 @@ class PlannerController:
 
     def observe(self, prev: str | None, model: str) -> None:
         """One committed token written by `model`, after one written by `prev` (None: the first)."""
+        self.seen += 1
         if model == self.large:
             self.large_tokens += 1
             if prev != self.large:
                 self.visits += 1
         else:
             self.small_tokens += 1
+        if self.window is not None:
+            self._since_decay += 1
+            if self._since_decay >= self.window:
+                self._since_decay = 0
+                self.small_tokens /= 2
+                self.large_tokens /= 2
+                self.visits /= 2
 
     @property
     def estimate(self) -> tuple[float, float]:
@@ -73,7 +89,7 @@ class PlannerController:
                 self.table = table
                 return table
             return None
-        if self._pending is None and self.small_tokens + self.large_tokens >= self.min_tokens:
+        if self._pending is None and self.seen >= self.min_tokens:
             now = time.monotonic()
             p, q = self.estimate
             drift = abs(p - self.p_planned) / max(self.p_planned, 1e-3) + abs(q - self.q_planned)

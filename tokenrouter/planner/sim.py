@@ -5,7 +5,11 @@ It runs the system of `tokenrouter.planner.chain` event by event in continuous t
 - spans on L drawn from a histogram of span lengths (or geometric with q_L);
 - every S step taking t_S(batch at its start) seconds, every L step t_L(its batch);
 - interference alpha as a rate: while L runs, S's current step progresses at speed 1 - alpha;
-- a hand-off latency: a request S hands off reaches L's queue `handoff` seconds after S's step.
+- a hand-off latency: a request S hands off reaches L's queue `handoff` seconds after S's step;
+- the runtime's costs (tokenrouter.planner.overheads.Overheads) charged exactly per request: an L
+  step pays `l_token` for each token its requests bring back from S (that request's own gap, not the
+  mean), an S step `s_token` for each token beyond one its requests bring back from L (span - 1),
+  each step its model's per-step overhead; the hand-off latency is `handoff`.
 As in the runtime, S starts its next step the moment one ends (its batch: every request at S then),
 even while L runs (with alpha = 1 that step then waits for L); requests that L returns while S is in
 the middle of a step join S's next step; L launches (every queued request) when idle and at least B
@@ -15,7 +19,10 @@ Gap: the number of tokens S writes for a request between getting it (at start or
 handing it to L, so a gap of g is g + 1 S steps, the last one's token dropped. Span: the number of
 tokens L writes before handing the request back (>= 1).
 
-The result is a throughput estimate with a standard error (batch means), not an exact value.
+The result is a throughput estimate with a standard error (batch means), not an exact value, and
+the inter-token latencies it saw (each request's time between two of its tokens: an S step's end
+for a token S keeps, an L step's end for L's): their percentiles are the model's prediction of the
+runtime's ITL, which the chains do not give.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tokenrouter.planner.latency import LatencyLike, as_latency
+from tokenrouter.planner.overheads import Overheads
 
 __all__ = ["SimResult", "simulate", "parse_histogram"]
 
@@ -54,16 +62,21 @@ class SimResult:
     seconds: float  # simulated time after warm-up
     s_steps: int
     l_steps: int
+    itl: np.ndarray  # inter-token latencies (seconds) after warm-up, a sample of at most `itl_keep`
+
+    def itl_percentile(self, q: float) -> float:
+        return float(np.percentile(self.itl, q)) if len(self.itl) else math.nan
 
 
 def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
              p: float | None = None, gaps=None, q_l: float = 0.0, spans=None, handoff: float = 0.0,
-             s_steps: int = 200_000,
-             warmup: float = 0.05, batches: int = 20, seed: int = 0) -> SimResult:
+             overheads: Overheads | None = None, s_steps: int = 200_000,
+             warmup: float = 0.05, batches: int = 20, seed: int = 0, itl_keep: int = 200_000) -> SimResult:
     """Simulate N = n requests with launch threshold B = b for about `s_steps` S steps.
 
     Give either p (geometric gaps) or gaps (a histogram {gap tokens: count}); either q_l (geometric
-    spans, 0 = one token) or spans (a histogram {span tokens >= 1: count}).
+    spans, 0 = one token) or spans (a histogram {span tokens >= 1: count}). With `overheads`, the
+    runtime's costs (see the module docstring) and its hand-off latency (which replaces `handoff`).
     """
     if (p is None) == (gaps is None):
         raise ValueError("give exactly one of p and gaps")
@@ -72,6 +85,9 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
+    ov = overheads or Overheads()
+    if overheads is not None:
+        handoff = overheads.handoff
     rng = np.random.default_rng(seed)
     big = 1 << 60
 
@@ -101,7 +117,13 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             return int(rng.geometric(1.0 - q_l)) if q_l > 0 else 1
 
     s_left = draw_gap(n).astype(np.int64)  # S steps left before the hand-off, per request
+    catch = s_left - 1  # tokens S keeps in the current gap: L feeds them with the hand-off
+    back = np.zeros(n, dtype=np.int64)  # tokens beyond one L wrote in the span S takes back
+    last_tok = np.full(n, math.nan)  # time of each request's last token
+    itl: list[np.ndarray] = []
+    itl_n = 0
     l_left = np.zeros(n, dtype=np.int64)  # L tokens left in the current span
+    span_len = np.zeros(n, dtype=np.int64)  # L tokens written so far in the current span
     at_s = np.ones(n, dtype=bool)  # at S (in its batch or waiting for its next step)
     queue: list[int] = []
     transit: list[tuple[float, int]] = []  # (arrival time at L, request), in arrival order
@@ -122,7 +144,8 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         rate = (1.0 - alpha) if l_batch else 1.0
         if s_batch is None and at_s.any():
             s_batch = np.nonzero(at_s)[0]
-            s_rem = lat_s(len(s_batch))
+            s_rem = lat_s(len(s_batch)) + ov.s_overhead + ov.s_token * float(back[s_batch].sum())
+            back[s_batch] = 0
         dt_s = s_rem / rate if (s_batch is not None and rate > 0) else math.inf
         dt_l = l_rem if l_batch else math.inf
         dt_h = transit[0][0] - t if transit else math.inf
@@ -136,8 +159,16 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             l_rem -= dt
         if s_batch is not None and s_rem <= eps * max(1.0, t):
             s_left[s_batch] -= 1
-            leave = s_batch[s_left[s_batch] <= 0]
+            stay_mask = s_left[s_batch] > 0
+            leave = s_batch[~stay_mask]
             tok_s += len(s_batch) - len(leave)
+            if n_s_steps >= warm_steps and itl_n < itl_keep:
+                kept = s_batch[stay_mask]
+                gaps_now = t - last_tok[kept]
+                gaps_now = gaps_now[~np.isnan(gaps_now)]
+                itl.append(gaps_now)
+                itl_n += len(gaps_now)
+            last_tok[s_batch[stay_mask]] = t
             at_s[leave] = False
             for i in leave:
                 l_left[i] = draw_span()
@@ -151,19 +182,33 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         if l_batch and l_rem <= eps * max(1.0, t):
             tok_l += len(l_batch)
             n_l_steps += 1
+            lb = np.array(l_batch)
+            if n_s_steps >= warm_steps and itl_n < itl_keep:
+                gaps_now = t - last_tok[lb]
+                gaps_now = gaps_now[~np.isnan(gaps_now)]
+                itl.append(gaps_now)
+                itl_n += len(gaps_now)
+            last_tok[lb] = t
             for i in l_batch:
                 l_left[i] -= 1
+                span_len[i] += 1
                 if l_left[i] > 0:
                     queue.append(i)
                 else:
                     at_s[i] = True
+                    back[i] = span_len[i] - 1
+                    span_len[i] = 0
                     s_left[i] = draw_gap(1)[0]
+                    catch[i] = s_left[i] - 1
             l_batch = []
         while transit and transit[0][0] <= t + eps * max(1.0, t):
             queue.append(transit.pop(0)[1])
         if not l_batch and len(queue) >= b:
             l_batch, queue = queue, []
-            l_rem = lat_l(len(l_batch))
+            # a request's first step of a span feeds the tokens S kept since its last visit
+            fresh = [i for i in l_batch if span_len[i] == 0]
+            l_rem = lat_l(len(l_batch)) + ov.l_overhead + ov.l_token * float(catch[fresh].sum())
+            catch[fresh] = 0
     if t0 is None:
         raise ValueError("s_steps too small for the warm-up")
     secs = t - t0
@@ -172,4 +217,5 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     rates = [(b2 - b1) / (t2 - t1) for (t1, b1), (t2, b2) in zip(pts, pts[1:]) if t2 > t1]
     se = float(np.std(rates, ddof=1) / math.sqrt(len(rates))) if len(rates) > 1 else math.nan
     return SimResult(throughput=thr, stderr=se, s_tokens=tok_s - tok_s0, l_tokens=tok_l - tok_l0,
-                     seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps)
+                     seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps,
+                     itl=np.concatenate(itl) if itl else np.zeros(0))

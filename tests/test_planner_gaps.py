@@ -1,0 +1,129 @@
+"""Run lengths between sends against the geometric assumption (tokenrouter/planner/gaps.py), the
+runs read off a step trace (tokenrouter/engine/step_trace.py), and the simulator's runtime costs and
+inter-token latencies (tokenrouter/planner/sim.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tokenrouter.engine.step_trace import Step, latency_ratio, send_runs, visit_runs
+from tokenrouter.planner import Overheads, throughput_curve
+from tokenrouter.planner.gaps import fit_runs, hazard
+from tokenrouter.planner.sim import simulate
+
+
+def test_hazard_counts_censored_runs_as_surviving_all_but_their_last_step():
+    n, d = hazard([1, 3], [3])
+    # at risk: step 1 all three; step 2 the sent 3 and the cut 3; step 3 only the sent 3
+    assert n.tolist() == [3, 2, 1] and d.tolist() == [1, 0, 1]
+
+
+def test_geometric_runs_fit_and_pass_with_independent_censoring():
+    rng = np.random.default_rng(1)
+    k = rng.geometric(0.1, 20_000)
+    c = rng.integers(1, 60, 20_000)  # censoring independent of the run
+    fit = fit_runs(k[k <= c], c[k > c])
+    assert fit.p == pytest.approx(0.1, rel=0.03)
+    assert fit.p_value > 0.01 and fit.ks < 0.02
+    assert fit.mean_steps == pytest.approx(10, rel=0.05)
+    assert sum(fit.gap_histogram().values()) == pytest.approx(1.0)
+    assert min(fit.gap_histogram()) == 0  # a run of one step keeps no token
+
+
+def test_bursty_runs_are_rejected():
+    rng = np.random.default_rng(2)
+    k = np.where(rng.random(2000) < 0.5, 1, 19)  # mean 10, as geometric p = 0.1
+    fit = fit_runs(k)
+    assert fit.p == pytest.approx(0.1, rel=0.05)
+    assert fit.p_value < 1e-6 and fit.ks > 0.3
+    assert fit.gap_histogram() == pytest.approx({0: np.mean(k == 1), 18: np.mean(k == 19)})
+
+
+def test_bad_runs():
+    with pytest.raises(ValueError, match=">= 1"):
+        fit_runs([0, 2])
+    with pytest.raises(ValueError, match="nothing to fit"):
+        fit_runs([], [3])
+
+
+def test_runs_from_a_trace():
+    steps = [Step(0, 0, 1, ["a", "b"], [4, 4]), Step(0, 1, 2, ["a", "b"], [1, 1]),  # a sends after 2
+             Step(1, 2, 3, ["a"], [3]), Step(0, 3, 4, ["a", "b"], [1, 1]),  # b runs on: cut at its end
+             Step(0, 4, 5, ["a"], [1])]
+    assert visit_runs(steps) == {"a": [(0, 2), (1, 1), (0, 2)], "b": [(0, 3)]}
+    runs = send_runs(steps, 0)
+    assert runs.sent == [2] and sorted(runs.cut) == [2, 3]
+    assert send_runs(steps, 1).sent == [1]
+    # measured over modelled seconds, leaving out the S steps that overlap an L step
+    flat = lambda b, tokens: 0.5  # noqa: E731
+    assert latency_ratio(steps, 0, flat) == pytest.approx(2.0)
+    steps[2] = Step(1, 2.5, 3.5, ["a"], [3])  # overlaps S's step at 3..4
+    assert latency_ratio(steps, 0, flat, apart_from=1) == pytest.approx(2.0)
+    assert latency_ratio(steps, 0, lambda b, tokens: 0.25 * tokens, apart_from=1) == pytest.approx(3 / (0.25 * 11))
+
+
+def test_simulator_charges_the_runtime_like_the_continuous_chain():
+    ov = Overheads(s_token=2e-5, l_token=2e-4, s_overhead=7e-4, l_overhead=9e-4, handoff=1e-3)
+    lat_l = (0.026, 0.0004)
+    exact = throughput_curve(8, 0.1, 0.012, lat_l, 1.0, overheads=ov)[2]
+    sim = simulate(8, 3, 0.012, lat_l, 1.0, p=0.1, overheads=ov, s_steps=30_000)
+    assert abs(sim.throughput - exact) < 4 * sim.stderr + 0.005 * exact
+    plain = simulate(8, 3, 0.012, lat_l, 1.0, p=0.1, s_steps=30_000)
+    assert plain.throughput > sim.throughput * 1.05  # the costs matter
+
+
+def test_simulator_inter_token_latency():
+    # one request, S only (p = 0): every token one S step apart
+    r = simulate(1, 1, 0.01, 0.03, 0.0, p=0.0, s_steps=2000)
+    assert r.itl_percentile(50) == pytest.approx(0.01) and r.itl_percentile(99) == pytest.approx(0.01)
+    # co-located, a hand-off stops S for an L step: the tail holds L's step on top of S's
+    r = simulate(4, 1, 0.01, 0.03, 1.0, p=0.02, s_steps=20_000)
+    assert r.itl_percentile(50) == pytest.approx(0.01, rel=0.01)
+    assert r.itl_percentile(99) >= 0.04 - 1e-9
+
+
+def test_slo_threshold_trades_throughput_for_the_p99_bound():
+    from tokenrouter.planner.slo import slo_threshold
+
+    # co-located, r = 4, N = 8, p = 0.1: throughput peaks near B = 5 while p99 ITL grows with B
+    kw = dict(p=0.1, b_values=[1, 3, 5, 7], s_steps=4000)
+    free = slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=10.0, **kw)
+    assert free.feasible and free.b == max(free.points, key=lambda pt: pt.throughput).b and free.b >= 5
+    p99 = {pt.b: pt.itl_p99 for pt in free.points}
+    assert p99[1] < p99[3] < p99[5] < p99[7]
+    bound = (p99[3] + p99[5]) / 2
+    tight = slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=bound, **kw)
+    assert tight.feasible and tight.b == 3 and tight.point().itl_p99 <= bound
+    none = slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=p99[1] / 2, **kw)
+    assert not none.feasible and none.b == 1
+    with pytest.raises(ValueError, match="bound"):
+        slo_threshold(8, 0.01, 0.04, 1.0, itl_p99_max=0.0, **kw)
+
+
+def test_controller_window_forgets_a_share_that_changed():
+    from tokenrouter.planner.controller import PlannerController
+
+    def feed(ctl, p, tokens):
+        rng = np.random.default_rng(0)
+        prev = None
+        for go in rng.random(tokens) < p:  # a visit of one L token, else an S token
+            model = "large" if go and prev != "large" else "small"
+            ctl.observe(prev, model)
+            prev = model
+
+    kw = dict(lat_s=0.012, lat_l=0.03, alpha=1.0, n_max=4, p0=0.05)
+    cumulative = PlannerController("small", "large", window=None, **kw)
+    windowed = PlannerController("small", "large", **kw)  # the default memory: 2000 tokens
+    try:
+        for ctl in (cumulative, windowed):
+            feed(ctl, 0.05, 20_000)
+            feed(ctl, 0.3, 10_000)
+        true_p = 0.3 * 0.7 / (1 - 0.3 * 0.3)  # visits per decision when a visit cannot follow a visit
+        assert windowed.estimate[0] == pytest.approx(true_p, rel=0.1)
+        assert cumulative.estimate[0] < 0.6 * true_p  # still mostly the old share
+        with pytest.raises(ValueError, match="window"):
+            PlannerController("small", "large", window=0, **kw)
+    finally:
+        cumulative.close()
+        windowed.close()
