@@ -28,6 +28,7 @@ from tokenrouter.training.evaluation.metrics import (
 )
 from tokenrouter.training.evaluation.query_router import QueryRouter, route_top
 from tokenrouter.training.evaluation.run import EvalSettings, evaluate, table, threshold_grid, write
+from tokenrouter.training.operating_point import shifted
 from tokenrouter.training.student import (
     StudentSettings,
     carve,
@@ -245,7 +246,7 @@ def test_quick_prepare_makes_a_servable_pair(quick_pair, monkeypatch):
             continue
         points = meta["operating_points"][kind]
         assert [p["value"] for p in points] == pytest.approx(
-            [prepare.shifted(router["threshold"], o) for o in s.selection_offsets], rel=1e-6)
+            [shifted(router["threshold"], o) for o in s.selection_offsets], rel=1e-6)
         assert all(p["answers"] == s.selection_problems and p["tokens"] > 0 for p in points)
         assert meta["thresholds"][kind] in [p["value"] for p in points]
     assert json.loads((pair.routers["r2r"] / "router.json").read_text())["training"]["data"]["labels"] == "outcome"

@@ -15,7 +15,7 @@ from tokenrouter.training.evaluation.metrics import OracleMatch, forced, nll_und
 from tokenrouter.training.evaluation.run import Answers, oracle_scores, score
 from tokenrouter.training.evaluation.tasks import task
 from tokenrouter.training.labels import build_features
-from tokenrouter.training.operating_point import Point, choose, measure
+from tokenrouter.training.operating_point import Point, choose, measure, toward_cap
 from tokenrouter.training.outcome_labels import OutcomeLabeller
 
 
@@ -174,6 +174,17 @@ def test_the_served_point_is_the_most_accurate_under_the_cap():
         choose(points, 1.5)
 
 
+def test_refinement_bisects_toward_the_cap_in_logits():
+    def pt(value, share):
+        return Point("r2r", "threshold", value, share, 0.0, 0, 10, 100, 1.0)
+
+    # R2R routes at or above its threshold: the share falls as the threshold rises
+    grid = [pt(0.1, 0.73), pt(1 / (1 + math.exp(1.5)), 0.51), pt(0.5, 0.21), pt(0.9, 0.0)]
+    assert toward_cap(grid, 0.4) == pytest.approx(1 / (1 + math.exp(0.75)))  # between 0.51 and 0.21
+    assert toward_cap(grid, 0.8) is None and toward_cap(grid[2:], 0.4) is None  # nothing straddles the cap
+    assert toward_cap(grid + [pt(1 / (1 + math.exp(0.75)), 0.45)], 0.4) == pytest.approx(1 / (1 + math.exp(0.375)))
+
+
 def test_operating_points_are_measured_through_the_runtime(pair_paths):
     from tokenrouter.runtime.group_config import GroupConfig
 
@@ -185,3 +196,9 @@ def test_operating_points_are_measured_through_the_runtime(pair_paths):
     assert [(p.param, p.value) for p in points] == [("p", 0.0), ("p", 1.0)]
     assert points[0].share == 0.0 and points[1].share > 0.5
     assert all((p.correct, p.answers, p.accuracy, p.tokens) == (1, 2, 0.5, 10) for p in points)
+    # two refinements toward a cap of 0.5: first halfway between p = 0 and p = 1, then toward the cap again
+    refined = measure(group, prompts, ["x", "y"], lambda text, ref: ref == "x", [0.0, 1.0], max_tokens=5,
+                      max_share=0.5, refinements=2)
+    third, fourth = refined[2:]
+    assert len(refined) == 4 and third.value == pytest.approx(0.5)
+    assert (0.0 < fourth.value < 0.5) if third.share > 0.5 else (0.5 < fourth.value < 1.0)

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import fcntl
 import json
-import math
 import os
 import shutil
 import sys
@@ -42,7 +41,7 @@ from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_s
 from tokenrouter.training.evaluation.tasks import task
 from tokenrouter.training.gguf_convert import smollm2_gguf_path
 from tokenrouter.training.large_answers import Exchange
-from tokenrouter.training.operating_point import Point, choose, measure
+from tokenrouter.training.operating_point import Point, choose, measure, shifted
 from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
@@ -69,9 +68,11 @@ class PrepareSettings:
     target_large_share: float = 0.2
     # The served operating point: routers answer the last selection_problems of the arithmetic split's
     # training problems (the query-level baseline fits on its first ones) at their router.json threshold
-    # moved by each offset (in logits), and the most accurate point with a share <= max_share serves.
+    # moved by each offset (in logits), then at selection_refinements thresholds bisecting toward the
+    # cap, and the most accurate point with a share <= max_share serves.
     selection_problems: int = 64
     selection_offsets: tuple[float, ...] = (-3.0, -1.5, 0.0, 1.5, 3.0)
+    selection_refinements: int = 3
     max_share: float = 0.4
     selected_kinds: tuple[str, ...] = ROUTER_KINDS  # routers measured; any other serves its router.json threshold
 
@@ -84,6 +85,8 @@ class PrepareSettings:
             raise ValueError("prepare router_arith_answers and router_champ_answers must leave answers for the "
                              f"student: got {self.router_arith_answers} of {self.arith_answers} and "
                              f"{self.router_champ_answers} of {self.champ_answers}")
+        if self.selection_refinements < 0:
+            raise ValueError(f"prepare selection_refinements must be at least 0, got {self.selection_refinements}")
         if not self.selection_offsets:
             raise ValueError("prepare selection_offsets must name at least one offset")
         if not 0.0 < self.max_share <= 1.0:
@@ -144,14 +147,6 @@ class PreparedPair(NamedTuple):
 def router_corpus(tokenizer: Any, seed: int) -> Iterator[str]:
     """Chat-formatted solutions of training problems that the student did not train on."""
     return chat_texts(tokenizer, champ.split(seed=seed).train, seed, reverse=True)
-
-
-def shifted(threshold: float, offset: float) -> float:
-    """A sigmoid-score threshold moved by `offset` in logit space."""
-    if offset == 0:
-        return threshold
-    t = min(max(threshold, 1e-7), 1 - 1e-7)
-    return 1 / (1 + math.exp(-(math.log(t / (1 - t)) + offset)))
 
 
 def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: dict[str, float],
@@ -366,14 +361,15 @@ def train_pair_router(s: PrepareSettings, kind: str, small: Path, large: Path, t
 
 def operating_points(s: PrepareSettings, kind: str, small: Path, large: Path, router: Path, centre: float, tok: Any,
                      say: Any) -> list[Point]:
-    """Router `kind` answering the validation problems at its router.json threshold moved by each offset."""
+    """Router `kind` answering the validation problems at its router.json threshold moved by each offset,
+    then at thresholds refined toward the share cap."""
     from tokenrouter.runtime.group_config import GroupConfig
 
     problems = selection_problems(s)
     group = GroupConfig.from_dict(group_dict(small, large, {kind: router}, {kind: centre}, kind))
     values = [shifted(centre, off) for off in s.selection_offsets]
     return measure(group, chat_prompts(tok, problems), [p.answer for p in problems], task("arith").correct, values,
-                   task("arith").max_tokens, say)
+                   task("arith").max_tokens, say, max_share=s.max_share, refinements=s.selection_refinements)
 
 
 def default_pair_config() -> Path | None:

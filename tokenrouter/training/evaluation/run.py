@@ -35,7 +35,8 @@ from tokenrouter.training.champ import chat_prompts
 from tokenrouter.training.evaluation.metrics import AnswerScore, OracleMatch, Totals, common_prefix, forced
 from tokenrouter.training.evaluation.query_router import QueryRouter, gain_labels, prompt_features, route_top
 from tokenrouter.training.evaluation.tasks import Task, task
-from tokenrouter.training.prepare import THRESHOLD_PARAM, PreparedPair, shifted
+from tokenrouter.training.operating_point import shifted
+from tokenrouter.training.prepare import THRESHOLD_PARAM, PreparedPair
 
 TOKEN_LEVEL = ("citer", "r2r", "co_llm", "r_stitch")
 R_STITCH_TAUS = (0.02, 0.05, 0.1, 0.2, 0.3)
