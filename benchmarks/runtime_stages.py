@@ -21,6 +21,14 @@ HTTP streaming is not in this table: `tokenrouter bench compare` (benchmarks/pap
 the whole server.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_stages.py --batch 8 32 64 128
+
+With --config (a real group, e.g. the prepared default pair), the setups are `routed` (that group,
+its own algorithm) and `small` / `large` (each of its models alone), on real models, asked the
+held-out arithmetic chat prompts of `tokenrouter bench compare --workload arith`; the model step
+is then the real forward (for the large model of a routed pair: its catch-up extends included):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/runtime_stages.py --config PAIR.yaml \
+        --setups large,routed --batch 1 8 --max-tokens 32
 """
 
 from __future__ import annotations
@@ -56,10 +64,24 @@ def group(folder: Path, profile: str, routed: bool, p: float) -> GroupConfig:
                                   "launch": {"policy": "eager"}, "executor": {"mode": "latency", "profile": profile}})
 
 
-def run_batch(entry: Entry, n: int, max_tokens: int) -> None:
+def real_group(config: str, setup: str) -> GroupConfig:
+    """The group of `config` (setup `routed`), or one of its models alone (`small`, `large`)."""
+    cfg = GroupConfig.from_yaml(config)
+    if setup == "routed":
+        return cfg
+    if setup not in ("small", "large"):
+        raise SystemExit(f"setup {setup!r}: with --config, setups are small, large and routed")
+    d = cfg.to_dict()
+    d["models"] = [d["models"][0 if setup == "small" else 1]]
+    d.update(name=setup, algorithm="single", algorithm_params={}, launch={"policy": "eager"}, routers={})
+    return GroupConfig.from_dict(d)
+
+
+def run_batch(entry: Entry, n: int, max_tokens: int, prompts: list[list[int]] | None = None) -> None:
     """N requests at once, until all are done."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    live = {entry.add([100 + (i * 7 + j) % 5000 for j in range(16)], params).rid for i in range(n)}
+    ids = prompts or [[100 + (i * 7 + j) % 5000 for j in range(16)] for i in range(n)]
+    live = {entry.add(ids[i % len(ids)], params).rid for i in range(n)}
     while live:
         for ev in entry.poll(0.05):
             if isinstance(ev, Done):
@@ -108,22 +130,31 @@ def main() -> int:
     ap.add_argument("--stat", default="mean", choices=["mean", "median"],
                     help="per stage over the steps (throughput goes with the mean; a busy machine's outliers too)")
     ap.add_argument("--setups", default="small,routed", help="comma-separated: small (alone), routed (the pair)")
+    ap.add_argument("--config", help="a real group's YAML (the latency-model profile is then unused)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     folder = config_folder()
+    prompts = None
+    if args.config:
+        from tokenrouter.bench.workloads import build_prompts
+        from tokenrouter.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(GroupConfig.from_yaml(args.config).models[-1].engine.model_path)
+        prompts, _ = build_prompts("arith", "cpu", max(args.batch), 0, tok)
     header = ("| setup | N | model | mean batch | model step ms | " + " | ".join(STAGES) + " | overlap | total ms | "
               "total % of step | entry ms |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     with tempfile.TemporaryDirectory(prefix="runtime-stages-") as trace:
         os.environ[TRACE_ENV] = trace  # before the subservers spawn: they inherit it
         for setup in [s.strip() for s in args.setups.split(",") if s.strip()]:
-            cfg = group(folder, args.profile, setup == "routed", args.p)
+            cfg = real_group(args.config, setup) if args.config else group(folder, args.profile, setup == "routed",
+                                                                           args.p)
             entry = Entry(cfg, detokenize=True)
             try:
-                run_batch(entry, 4, 8)  # warm-up
+                run_batch(entry, 4, 8, prompts)  # warm-up
                 for n in args.batch:
                     t0 = time.perf_counter()
-                    run_batch(entry, n, args.max_tokens)
+                    run_batch(entry, n, args.max_tokens, prompts)
                     rows = table(trace, t0, time.perf_counter(), cfg.names, n, setup, args.stat)
                     print("\n".join(rows), flush=True)
                     lines += rows

@@ -36,6 +36,35 @@ def test_workloads_have_the_papers_shapes():
         build_prompts("chess", "cpu", 1)
 
 
+def test_the_arith_workload_asks_held_out_problems_as_chat_turns():
+    from tokenrouter.training import arith
+
+    asked: list[str] = []
+
+    class Chat:  # the one tokenizer method a chat workload calls
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt, return_dict):
+            assert tokenize and add_generation_prompt and [m["role"] for m in messages] == ["user"]
+            asked.append(messages[0]["content"])
+            return [1, 2, len(asked)]
+
+    ids, cap = build_prompts("arith", "cpu", 3, seed=0, tokenizer=Chat())
+    assert cap == 32 and ids == [[1, 2, 1], [1, 2, 2], [1, 2, 3]]
+    assert len(set(asked)) == 3 and set(asked) <= {p.prompt for p in arith.split(seed=0).held_out}
+    with pytest.raises(ValueError, match="tokenizer"):
+        build_prompts("arith", "cpu", 1)
+
+
+def test_compare_names_what_the_vllm_system_needs(tmp_path, pair_paths):
+    from tokenrouter.bench.compare import compare
+
+    cfg = pair_group_yaml(tmp_path, pair_paths)
+    for venv in (None, str(tmp_path / "no-venv")):
+        with pytest.raises(ValueError, match="--vllm-venv"):
+            compare(str(cfg), ["large", "vllm"], "reasoning-low", "cpu", [1], 1, 4, 0, None, vllm_venv=venv)
+    with pytest.raises(ValueError, match="unknown system 'chess'"):
+        compare(str(cfg), ["large", "chess"], "reasoning-low", "cpu", [1], 1, 4, 0, None)
+
+
 def test_output_lengths_are_seeded_and_in_range():
     caps = output_lengths(100, 400, range_ratio=0.25, seed=3)
     assert caps == output_lengths(100, 400, range_ratio=0.25, seed=3)

@@ -55,3 +55,21 @@ def test_stage_records_pair_with_the_step_before_them(tmp_path, monkeypatch):
     assert not off.enabled
     off.write_stages(0, 0.0, {"route": 1.0})  # tracing off: nothing written
     assert len(read_stages(str(tmp_path))) == 2
+
+
+def test_a_real_model_engine_traces_its_steps(tmp_path, monkeypatch, model_paths):
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.engine.engine import Engine
+    from tokenrouter.sampling_params import SamplingParams
+
+    monkeypatch.setenv(ENV, str(tmp_path))
+    eng = Engine(EngineConfig(model_path=str(model_paths["llama"]), load_tokenizer=False), trace_model=1)
+    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9])):
+        eng.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), rid=rid)
+    while eng.has_unfinished():
+        eng.step()
+    steps = read_trace(str(tmp_path))
+    assert steps and {s.model for s in steps} == {1} and all(s.end >= s.start for s in steps)
+    # the prompts' prefill, then one token per request per step
+    assert sorted(rid for s in steps for rid in s.rids) == ["a", "a", "a", "b", "b", "b"]
+    assert sum(n for s in steps for n in s.extend_lens) == 3 + 2 + 2 * 2

@@ -5,7 +5,9 @@ Systems: `tokenrouter` (the routed group of --config), `large` and `small` (each
 server), `standard` (plain single-model servers and an outside one-token-at-a-time coordinator;
 bernoulli routing, at tokenrouter's measured large-model share for router algorithms), and
 `step-sync` (the research codes' execution: static batches, a global barrier; run in-process on our
-engines, so it pays no HTTP cost, which favours it).
+engines, so it pays no HTTP cost, which favours it), and `vllm` (vLLM's OpenAI server serving the
+large model, from the virtualenv of --vllm-venv: vLLM is never a project dependency; one thread,
+float32, its default compiled model; the same client, prompts and caps).
 
 A group on the latency-model executor (`executor: {mode: latency, profile: ...}`) puts every system on
 it: each model alone, the standard stack's plain servers and step-sync's engines wait the profile's
@@ -31,11 +33,13 @@ import psutil
 import yaml
 
 from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
-from tokenrouter.bench.server_process import ServerProcess
+from tokenrouter.bench.server_process import ManagedProcess, ServerProcess, free_port
 from tokenrouter.bench.workloads import WORKLOADS, build_prompts, output_lengths
 from tokenrouter.runtime.group_config import GroupConfig
 
-SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync")
+SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync", "vllm")
+# vLLM's CPU build on one core (one OpenMP thread) with 2 GiB of KV, as benchmarks/bench_vllm.py runs it.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -113,7 +117,7 @@ def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, 
             engines.append(Engine(replace(spec.engine, seed=group.seed), outputs=router.outputs(name)))
     for name, eng in zip(group.names, engines):
         router.bind(name, eng)
-    ids = [engines[0].tokenize(p) for p in prompts]
+    ids = [p if isinstance(p, list) else engines[0].tokenize(p) for p in prompts]
     params = [SamplingParams(max_tokens=cap, temperature=0.0, ignore_eos=True) for cap in caps]
     res = run_step_sync(engines[0], engines[1], router, ids, params, c, seed=seed)
     return {"concurrency": c, "completed": len(ids), "failed": 0, "output_tokens": res.output_tokens,
@@ -124,11 +128,23 @@ def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, 
 
 
 def compare(config: str, systems: list[str], workload: str, scale: str, concurrencies: list[int], num_requests: int,
-            max_tokens: int | None, seed: int, out: str | None, range_ratio: float = 1.0) -> list[dict[str, Any]]:
+            max_tokens: int | None, seed: int, out: str | None, range_ratio: float = 1.0,
+            vllm_venv: str | None = None) -> list[dict[str, Any]]:
     group = GroupConfig.from_yaml(config)
     if len(group.models) != 2:
         raise ValueError("compare needs a group of two models (small first, large second)")
-    prompts, cap = build_prompts(workload, scale, num_requests, seed)
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system {unknown[0]!r}; available: {', '.join(SYSTEMS)}")
+    if "vllm" in systems and (vllm_venv is None or not (Path(vllm_venv) / "bin" / "python").is_file()):
+        raise ValueError(f"system 'vllm' needs --vllm-venv, a virtualenv with vllm-cpu installed (got {vllm_venv!r}; "
+                         "see benchmarks/bench_vllm.py for the recipe)")
+    tokenizer = None
+    if workload in WORKLOADS and WORKLOADS[workload].chat:
+        from tokenrouter.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(group.models[1].engine.model_path)
+    prompts, cap = build_prompts(workload, scale, num_requests, seed, tokenizer)
     caps = output_lengths(max_tokens or cap, len(prompts), range_ratio, seed)
     if _on_latency_executor(group) and any(group.executor.profile.interference.get(m, {}) for m in group.names):
         print("  note: the profile's interference slows only the routed group's co-located subservers; the "
@@ -149,12 +165,13 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
 
     with tempfile.TemporaryDirectory(prefix="tokenrouter-compare-") as tmp:
         for system in systems:
-            if system not in SYSTEMS:
-                raise ValueError(f"unknown system {system!r}; available: {', '.join(SYSTEMS)}")
             print(f"{system}:", flush=True)
             if system == "step-sync":
                 for c in concurrencies:
                     record(system, _step_sync(group, prompts, caps, c, seed))
+            elif system == "vllm":
+                for summary in _vllm(group, vllm_venv or "", tmp, prompts, caps, concurrencies, num_requests, seed):
+                    record(system, summary)
             elif system == "standard":
                 for summary in _standard(group, rows, tmp, prompts, caps, concurrencies, num_requests, seed):
                     record(system, summary)
@@ -204,6 +221,29 @@ def _alone_or_routed(group: GroupConfig, config: str, system: str, tmp: str, pro
         srv.stop()
 
 
+def _vllm(group: GroupConfig, venv: str, tmp: str, prompts: list[Any], caps: list[int], concurrencies: list[int],
+          num_requests: int, seed: int) -> list[dict[str, Any]]:
+    """vLLM's OpenAI server on the large model's folder, through the same client as the others."""
+    if _on_latency_executor(group):
+        raise ValueError("system 'vllm' runs the real large model; the group is on the latency-model executor")
+    port = free_port()
+    # The module, not the `vllm` script: the CPU build's distribution is named vllm-cpu, which the
+    # script's version lookup does not find.
+    cmd = [str(Path(venv) / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model",
+           group.models[1].engine.model_path, "--served-model-name", "vllm",
+           "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--seed", str(seed),
+           "--max-num-seqs", str(max(concurrencies))]
+    srv = ManagedProcess("vllm", cmd, port, Path(tmp), env=VLLM_ENV)
+    try:
+        srv.wait_healthy(900)  # the first start compiles the model (minutes; cached afterwards)
+        # vLLM's engine core is a process of its own under the API server
+        processes = {"vllm": srv.proc.pid, **{f"vllm process {i}": pid
+                                              for i, pid in enumerate(sorted(srv.pids - {srv.proc.pid}))}}
+        return [_http_run(srv.url, "vllm", prompts, caps, c, num_requests, seed, processes) for c in concurrencies]
+    finally:
+        srv.stop()
+
+
 def _standard_p(group: GroupConfig, rows: list[dict[str, Any]]) -> float:
     """The hand-off probability the standard coordinator draws with. Its plain servers answer through
     the OpenAI API, which carries no hidden states, so a router head cannot run there: for a router
@@ -247,11 +287,13 @@ def add_compare_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignor
                    help="output caps uniform in [ratio x cap, cap] per request, the same for every system")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--out", default=None, help="append the rows (JSONL) here")
+    c.add_argument("--vllm-venv", default=None, help="virtualenv with vllm-cpu, for the system 'vllm'")
     c.set_defaults(func=lambda a: _cmd(a))
 
 
 def _cmd(args: argparse.Namespace) -> int:
     rows = compare(args.config, [s.strip() for s in args.systems.split(",") if s.strip()], args.workload, args.scale,
-                   args.concurrency, args.num_requests, args.max_tokens, args.seed, args.out, args.range_ratio)
+                   args.concurrency, args.num_requests, args.max_tokens, args.seed, args.out, args.range_ratio,
+                   args.vllm_venv)
     print(json.dumps({"rows": len(rows)}))
     return 0

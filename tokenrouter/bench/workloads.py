@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from tokenrouter.training import champ
+from tokenrouter.training import arith, champ
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class Workload:
     description: str
     prompt_tokens: dict[str, int | None]  # per scale; None: the problem as it is (about 100 tokens)
     max_tokens: dict[str, int]  # per scale
+    chat: bool = False  # prompts are token ids in the served tokenizer's chat template (build_prompts needs it)
 
 
 WORKLOADS = {
@@ -32,6 +33,9 @@ WORKLOADS = {
                                {"paper": None, "cpu": None}, {"paper": 8192, "cpu": 512}),
     "agent": Workload("agent", "long agent-like contexts from solution transcripts",
                       {"paper": 8192, "cpu": 1024}, {"paper": 1024, "cpu": 64}),
+    # What the default pair is prepared and judged on: a user asking held-out arithmetic in chat.
+    "arith": Workload("arith", "held-out arithmetic and word problems as chat turns (the default pair's task)",
+                      {"paper": None, "cpu": None}, {"paper": 32, "cpu": 32}, chat=True),
 }
 
 
@@ -57,15 +61,22 @@ def output_lengths(cap: int, n: int, range_ratio: float = 1.0, seed: int = 0) ->
     return [rng.randint(low, cap) for _ in range(n)]
 
 
-def build_prompts(workload: str, scale: str, n: int, seed: int = 0, tokenizer: Any = None) -> tuple[list[str], int]:
+def build_prompts(workload: str, scale: str, n: int, seed: int = 0,
+                  tokenizer: Any = None) -> tuple[list[str] | list[list[int]], int]:
     """n prompts and the output cap. With a tokenizer, long prompts are cut to an exact token count;
-    without one, to 4 characters per token."""
+    without one, to 4 characters per token. A chat workload needs the tokenizer and gives token ids."""
     if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; available: {', '.join(WORKLOADS)}")
     if scale not in ("paper", "cpu"):
         raise ValueError(f"scale must be 'paper' or 'cpu', got {scale!r}")
     w = WORKLOADS[workload]
     rng = random.Random(seed)
+    if w.chat:
+        if tokenizer is None:
+            raise ValueError(f"workload {workload!r} asks in the chat template: it needs the served tokenizer")
+        held_out = arith.split(seed=0).held_out  # the problems `tokenrouter eval --task arith` scores
+        rng.shuffle(held_out)
+        return champ.chat_prompts(tokenizer, [held_out[i % len(held_out)] for i in range(n)]), w.max_tokens[scale]
     target = w.prompt_tokens[scale]
     if target is None:
         pool = problems()

@@ -23,6 +23,7 @@ from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.request_validation import validate_prompt
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.stop_strings import output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
@@ -82,10 +83,15 @@ class Engine:
     """
 
     def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
-                 outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None) -> None:
+                 outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None,
+                 trace_model: int = 0) -> None:
         """`latency_runner` replaces the model (the latency-model executor): no weights are loaded and
-        the KV pool only keeps page accounting."""
+        the KV pool only keeps page accounting. `trace_model` is this model's index in step-trace
+        records (step_trace.py), written when tracing is on."""
         self.cfg = cfg
+        # A real model's steps are traced here; the latency runner traces its own (its wait is the step).
+        self.trace = StepTraceWriter.from_env() if latency_runner is None else StepTraceWriter(None)
+        self.trace_model = trace_model
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = cfg.torch_device()
@@ -299,9 +305,11 @@ class Engine:
         return out
 
     def _run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None) -> StepOutput:
-        if overlap is None:
-            return self.runner.run(reqs, extend_lens)
-        return self.runner.run(reqs, extend_lens, overlap)
+        start = time.perf_counter()
+        out = self.runner.run(reqs, extend_lens) if overlap is None else self.runner.run(reqs, extend_lens, overlap)
+        if self.trace.enabled:
+            self.trace.write(self.trace_model, start, time.perf_counter(), [r.rid for r in reqs], list(extend_lens))
+        return out
 
     def _contain(self, reqs: list[Req], extend_lens: list[int], cause: Exception) -> StepFailed:
         """Find the requests a failed step failed on by running each alone, and finish them with an
