@@ -43,6 +43,10 @@ from tokenrouter.server.protocol import (
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# Parsing or tokenising this many characters (or body bytes) takes well under a millisecond: such
+# work runs on the event loop at once, so a short request never queues behind huge prompts that the
+# tokenizer pool is busy with.
+INLINE_CHARS = 16_384
 
 
 @dataclass
@@ -61,6 +65,11 @@ class ServerConfig:
             raise ValueError(f"tokenizer_threads must be at least 1, got {self.tokenizer_threads}")
         if self.chat_special_tokens not in ("escape", "allow"):
             raise ValueError(f"chat_special_tokens must be 'escape' or 'allow', got {self.chat_special_tokens!r}")
+
+
+def chat_size(messages: list[dict[str, str]]) -> int:
+    """Characters of chat content, the size that decides where the messages are tokenised."""
+    return sum(len(m["content"]) for m in messages)
 
 
 def new_request_id() -> str:
@@ -138,9 +147,14 @@ class OpenAIServer:
     async def parse(self, request: Request, model: type[pydantic.BaseModel]) -> Any:
         body = await self.read_body(request)
         # Parsing and validating up to max_body_bytes of JSON takes long enough to stall the loop.
-        return await self.off_loop(lambda: parse_request(body, model, self.cfg.model_name, self.cfg.limits))
+        return await self.off_loop(lambda: parse_request(body, model, self.cfg.model_name, self.cfg.limits),
+                                   len(body))
 
-    async def off_loop(self, fn: Callable[[], T]) -> T:
+    async def off_loop(self, fn: Callable[[], T], size: int) -> T:
+        """fn() in the tokenizer pool, or on the event loop at once when its input (`size` characters,
+        bytes or token ids) is at most INLINE_CHARS."""
+        if size <= INLINE_CHARS:
+            return fn()
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
     def context_len(self) -> int:
@@ -154,7 +168,7 @@ class OpenAIServer:
         n = body.n
         prompts = body.prompts(self.cfg.limits)
         encoded = await self.off_loop(lambda: [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
-                                               for p in prompts])
+                                               for p in prompts], sum(len(p) for p in prompts))
         gens = self.choices.submit_choices(encoded, n, body.sampling(body.max_tokens, body.logprobs, body.prompt_logprobs),
                                            body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
@@ -206,7 +220,7 @@ class OpenAIServer:
         messages = body.texts(self.cfg.limits)
         try:
             ids = await self.off_loop(lambda: encode_chat(self.tokenizer, messages, self.cfg.chat_special_tokens,
-                                                          self.specials))
+                                                          self.specials), chat_size(messages))
         except ChatTemplateError as e:
             raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
                            param="messages") from None
@@ -256,13 +270,15 @@ class OpenAIServer:
             messages = [{"role": m.role, "content": m.text()} for m in body.messages]
             try:
                 ids = await self.off_loop(lambda: encode_chat(self.tokenizer, messages, self.cfg.chat_special_tokens,
-                                                              self.specials, body.add_generation_prompt))
+                                                              self.specials, body.add_generation_prompt),
+                                          chat_size(messages))
             except ChatTemplateError as e:
                 raise APIError(400, f"the chat template rejected the messages: {public_message(str(e))}",
                                param="messages") from None
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await self.off_loop(lambda: list(self.tokenizer.encode(body.prompt, add_special_tokens=special)))
+            ids = await self.off_loop(lambda: list(self.tokenizer.encode(body.prompt, add_special_tokens=special)),
+                                      len(body.prompt or ""))
         out: dict[str, Any] = {"count": len(ids), "max_model_len": self.context_len() if self.runtime.entry else None,
                                "tokens": ids}
         if body.return_token_strs:
@@ -276,7 +292,8 @@ class OpenAIServer:
         vocab = self.runtime.entry.vocab_size if self.runtime.entry is not None else len(self.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens")
-        return JSONResponse({"prompt": await self.off_loop(lambda: self.tokenizer.decode(body.tokens))})
+        return JSONResponse({"prompt": await self.off_loop(lambda: self.tokenizer.decode(body.tokens),
+                                                           len(body.tokens))})
 
     async def version(self, request: Request) -> Response:
         self.check_auth(request)
