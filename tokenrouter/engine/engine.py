@@ -23,6 +23,7 @@ from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.request_validation import validate_prompt
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.stop_strings import output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
@@ -82,10 +83,17 @@ class Engine:
     """
 
     def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
-                 outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None) -> None:
+                 outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None,
+                 trace_index: int | None = None) -> None:
         """`latency_runner` replaces the model (the latency-model executor): no weights are loaded and
-        the KV pool only keeps page accounting."""
+        the KV pool only keeps page accounting. `trace_index`: the model's index in its group; with
+        TOKENROUTER_STEP_TRACE set, each step is then traced as the latency executor traces its own
+        (engine/step_trace.py), so a group of real models gives the same per-step trace."""
         self.cfg = cfg
+        # the latency executor writes its own step lines (inside its sleep), real models are traced here
+        self.trace_index = trace_index
+        self.trace = StepTraceWriter(None) if trace_index is None or latency_runner is not None \
+            else StepTraceWriter.from_env()
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = cfg.torch_device()
@@ -278,6 +286,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
+        start = time.perf_counter()
         if self.tp is None:
             try:
                 out = self._run(batch.reqs, batch.extend_lens, overlap)
@@ -292,6 +301,10 @@ class Engine:
                 if dead is None or not isinstance(e, RuntimeError):
                     raise
                 raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e
+        if self.trace.enabled:
+            assert self.trace_index is not None
+            self.trace.write(self.trace_index, start, time.perf_counter(), [r.rid for r in batch.reqs],
+                             list(batch.extend_lens))
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
