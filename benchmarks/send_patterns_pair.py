@@ -9,9 +9,9 @@ with TOKENROUTER_STEP_TRACE set, each subserver's engine writes one line per ste
 (tokenrouter/engine/step_trace.py), exactly as the latency executor does. Prompts: held-out
 arithmetic problems (tokenrouter/training/arith.py) and held-out CHAMP problems, chat-formatted as
 the routers were trained (training/champ.chat_prompts), answered greedily up to --max-tokens (EOS
-ends a request; its last run is then censored). Closed loops at concurrency N, launch threshold B, after one unmeasured pass over the same prompts
-(--warmup: the measured runs then find every prompt in both models' prefix caches, so no B pays
-the prompts' prefill alone).
+ends a request; its last run is then censored). Closed loops at concurrency N, launch threshold B,
+after one unmeasured pass over the same prompts (--warmup: the measured runs then find every prompt
+in both models' prefix caches, so no B pays the prompts' prefill alone).
 
 From the trace: the small model's run lengths between sends (`send_runs`), the geometric fit and its
 goodness of fit (tokenrouter/planner/gaps.py). Then the planner's prediction of the run's steady-state
@@ -30,8 +30,8 @@ assumption), and the simulator (tokenrouter/planner/sim.py) with the measured ru
 (Kaplan-Meier). Neither model has prompt prefill (a new request's prompt on S, and its first hand-off
 bringing the whole prompt to L): the share of step time that prompt tokens took is printed beside.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py \\
-        --plot docs/bench/send_patterns_pair.png --out docs/bench/send_patterns_pair.json
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
+        --max-tokens 64 --b 1,2,4 --plot docs/bench/send_patterns_pair.png --out docs/bench/send_patterns_pair.json
 """
 
 from __future__ import annotations
@@ -179,10 +179,11 @@ def main() -> int:
                     sent, cut, l_spans = r.sent, r.cut, send_runs(steps, 1).sent
                 costs = runtime_costs(steps)
                 lat = latencies_from_trace(steps)
-                runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput, "tokens": res.output_tokens,
-                             "seconds": t1 - t0, "runs_sent": len(r.sent), "runs_cut": len(r.cut),
-                             "costs": costs.to_dict(), **lat})
-                print(f"{kind} B={b}: {res.steady_throughput:.1f} tok/s steady ({res.output_tokens} tokens, {t1 - t0:.0f} s), "
+                runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput,
+                             "tokens": res.output_tokens, "seconds": t1 - t0, "runs_sent": len(r.sent),
+                             "runs_cut": len(r.cut), "costs": costs.to_dict(), **lat})
+                print(f"{kind} B={b}: {res.steady_throughput:.1f} tok/s steady ({res.output_tokens} tokens, "
+                      f"{t1 - t0:.0f} s), "
                       f"{len(r.sent)} runs sent, {len(r.cut)} cut, alpha {lat['alpha']:.2f}", flush=True)
         finally:
             entry.close()
