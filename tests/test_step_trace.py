@@ -57,19 +57,28 @@ def test_stage_records_pair_with_the_step_before_them(tmp_path, monkeypatch):
     assert len(read_stages(str(tmp_path))) == 2
 
 
-def test_a_real_model_engine_traces_its_steps(tmp_path, monkeypatch, model_paths):
+def test_real_model_steps_are_traced_like_the_latency_executors(tmp_path, monkeypatch, model_paths):
+    """An engine that knows its index in a group traces each step of a real model (requests, extend
+    lengths), so run lengths between sends are read off real models too; one without an index does not."""
+    from tokenrouter import SamplingParams
     from tokenrouter.engine.config import EngineConfig
     from tokenrouter.engine.engine import Engine
-    from tokenrouter.sampling_params import SamplingParams
+    from tokenrouter.engine.step_trace import send_runs
 
     monkeypatch.setenv(ENV, str(tmp_path))
-    eng = Engine(EngineConfig(model_path=str(model_paths["llama"]), load_tokenizer=False), trace_model=1)
-    for rid, prompt in (("a", [5, 6, 7]), ("b", [8, 9])):
-        eng.add_request(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), rid=rid)
-    while eng.has_unfinished():
-        eng.step()
+    cfg = EngineConfig(model_path=str(model_paths["llama"]), kv_cache_tokens=512, page_size=4, device="cpu")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for traced in (None, 1):
+        eng = Engine(cfg, trace_index=traced)
+        a = eng.add_request([1, 2, 3], params, rid=f"a{traced}")
+        b = eng.add_request([4, 5], params, rid=f"b{traced}")
+        while eng.has_unfinished():
+            eng.step()
+        assert a.finished and b.finished
     steps = read_trace(str(tmp_path))
-    assert steps and {s.model for s in steps} == {1} and all(s.end >= s.start for s in steps)
-    # the prompts' prefill, then one token per request per step
-    assert sorted(rid for s in steps for rid in s.rids) == ["a", "a", "a", "b", "b", "b"]
-    assert sum(n for s in steps for n in s.extend_lens) == 3 + 2 + 2 * 2
+    assert {s.model for s in steps} == {1} and {r for s in steps for r in s.rids} == {"a1", "b1"}
+    assert steps[0].rids == ["a1", "b1"] and steps[0].extend_lens == [3, 2]  # the prefill step
+    assert all(s.extend_lens == [1, 1] for s in steps[1:]) and len(steps) == 4
+    assert all(s.start <= s.end for s in steps)
+    runs = send_runs(steps, 1)
+    assert runs.sent == [] and sorted(runs.cut) == [4, 4]  # one visit each, cut by the request's end

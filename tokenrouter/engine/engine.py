@@ -84,14 +84,16 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
                  outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None,
-                 trace_model: int = 0) -> None:
+                 trace_index: int | None = None) -> None:
         """`latency_runner` replaces the model (the latency-model executor): no weights are loaded and
-        the KV pool only keeps page accounting. `trace_model` is this model's index in step-trace
-        records (step_trace.py), written when tracing is on."""
+        the KV pool only keeps page accounting. `trace_index`: the model's index in its group; with
+        TOKENROUTER_STEP_TRACE set, each step is then traced as the latency executor traces its own
+        (engine/step_trace.py), so a group of real models gives the same per-step trace."""
         self.cfg = cfg
-        # A real model's steps are traced here; the latency runner traces its own (its wait is the step).
-        self.trace = StepTraceWriter.from_env() if latency_runner is None else StepTraceWriter(None)
-        self.trace_model = trace_model
+        # the latency executor writes its own step lines (inside its sleep), real models are traced here
+        self.trace_index = trace_index
+        self.trace = StepTraceWriter(None) if trace_index is None or latency_runner is not None \
+            else StepTraceWriter.from_env()
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         self.device = cfg.torch_device()
@@ -284,6 +286,7 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return None
+        start = time.perf_counter()
         if self.tp is None:
             try:
                 out = self._run(batch.reqs, batch.extend_lens, overlap)
@@ -298,6 +301,10 @@ class Engine:
                 if dead is None or not isinstance(e, RuntimeError):
                     raise
                 raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e
+        if self.trace.enabled:
+            assert self.trace_index is not None
+            self.trace.write(self.trace_index, start, time.perf_counter(), [r.rid for r in batch.reqs],
+                             list(batch.extend_lens))
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
@@ -305,11 +312,9 @@ class Engine:
         return out
 
     def _run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None) -> StepOutput:
-        start = time.perf_counter()
-        out = self.runner.run(reqs, extend_lens) if overlap is None else self.runner.run(reqs, extend_lens, overlap)
-        if self.trace.enabled:
-            self.trace.write(self.trace_model, start, time.perf_counter(), [r.rid for r in reqs], list(extend_lens))
-        return out
+        if overlap is None:
+            return self.runner.run(reqs, extend_lens)
+        return self.runner.run(reqs, extend_lens, overlap)
 
     def _contain(self, reqs: list[Req], extend_lens: list[int], cause: Exception) -> StepFailed:
         """Find the requests a failed step failed on by running each alone, and finish them with an

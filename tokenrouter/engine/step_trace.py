@@ -1,8 +1,10 @@
 """A per-step trace of the latency-model executor, and what the runtime adds to the profile, read off it.
 
-With TOKENROUTER_STEP_TRACE=DIR in the environment, every `LatencyModelRunner` step appends one JSON
-line to DIR/<pid>.jsonl: [model index, start, end, request ids, extend lengths], times from
-`time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across the group's processes). An
+With TOKENROUTER_STEP_TRACE=DIR in the environment, every `LatencyModelRunner` step, and every step of
+a real model whose engine knows its index in the group (`Engine(trace_index=...)`, as a subserver's
+does), appends one JSON line to DIR/<pid>.jsonl: [model index, start, end, request ids, extend
+lengths], times from `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across the group's
+processes). An
 environment variable, because the subservers are spawned by the entry and inherit it, so tracing
 needs no change to the group config or the wire protocol.
 

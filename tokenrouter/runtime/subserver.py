@@ -83,7 +83,7 @@ class Subserver:
             self.clock = InterferenceClock(names.index(spec.name), alphas, interference_flags)
             runner = LatencyModelRunner.for_model(profile, spec.name, spec.engine.model_path, self.clock)
         self.engine = Engine(spec.engine, launch=self.launch, outputs=self.algorithm.outputs(spec.name),
-                             latency_runner=runner, trace_model=group.names.index(spec.name))
+                             latency_runner=runner, trace_index=group.names.index(spec.name))
         self.algorithm.bind(spec.name, self.engine)
         self.io = SubserverSockets(self.name, group.curve_keys(), bind_address, entry_address, advertise_host,
                                    watch_entry)

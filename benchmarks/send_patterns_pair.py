@@ -1,0 +1,294 @@
+"""Real send patterns of the trained routers (CITER, R2R, Co-LLM) on the prepared default pair: run
+lengths between sends read off the runtime's step trace, against the throughput chain's geometric
+assumption; and the planner's throughput prediction with either, against the measured throughput.
+
+The default pair (the student and SmolLM2-135M-Instruct on CPU, one torch thread per model) is served
+by the real runtime (tokenrouter.runtime.entry.Entry) once per router, at the router's served
+threshold (the pair's prepared.json `thresholds`, as pair.yaml serves it), with the step trace on:
+with TOKENROUTER_STEP_TRACE set, each subserver's engine writes one line per step listing its requests
+(tokenrouter/engine/step_trace.py), exactly as the latency executor does. Prompts: held-out
+arithmetic problems (tokenrouter/training/arith.py) and held-out CHAMP problems, chat-formatted as
+the routers were trained (training/champ.chat_prompts), answered greedily up to --max-tokens (EOS
+ends a request; its last run is then censored). Closed loops at concurrency N, launch threshold B,
+after one unmeasured pass over the same prompts (--warmup: the measured runs then find every prompt
+in both models' prefix caches, so no B pays the prompts' prefill alone).
+
+From the trace: the small model's run lengths between sends (`send_runs`), the geometric fit and its
+goodness of fit (tokenrouter/planner/gaps.py). Then the planner's prediction of the run's steady-state
+throughput (tokens per second while N requests are live), with the step latencies, interference and
+runtime costs read off the same trace (real models have no profile of this machine at this moment:
+the machine is shared, so a profile measured another time would not describe this run):
+
+- t_S(b), t_L(b): least squares of each model's step seconds on [1, batch, tokens beyond one per
+  request] over the run's steps; the S fit uses only S steps that overlap no L step;
+- interference alpha: the S steps that overlap an L step, their stretch over the fit divided by the
+  overlap (the simulator's alpha: S progresses at 1 - alpha while L runs), clipped to [0, 1];
+- per-step gaps and hand-off latency: `runtime_costs`.
+
+Then the continuous-time chain (tokenrouter/planner/continuous.py) with the fitted p (the geometric
+assumption), and the simulator (tokenrouter/planner/sim.py) with the measured run-length distribution
+(Kaplan-Meier). Neither model has prompt prefill (a new request's prompt on S, and its first hand-off
+bringing the whole prompt to L): the share of step time that prompt tokens took is printed beside.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
+        --max-tokens 64 --b 1,2,4 --plot docs/bench/send_patterns_pair.png --out docs/bench/send_patterns_pair.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenrouter import SamplingParams
+from tokenrouter.bench.offline import run_closed_loop
+from tokenrouter.engine.step_trace import ENV as TRACE_ENV
+from tokenrouter.engine.step_trace import Step, read_trace, runtime_costs, send_runs
+from tokenrouter.engine.tokenizer import load_tokenizer
+from tokenrouter.planner import Overheads, throughput_curve
+from tokenrouter.planner.gaps import fit_runs
+from tokenrouter.planner.sim import simulate
+from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import SetThresholds
+from tokenrouter.training import arith, champ
+from tokenrouter.training.prepare import default_pair_config, served_algorithm
+
+ROUTERS = ("citer", "r2r", "co_llm")
+
+
+def prompts(large: str, n_arith: int, n_champ: int) -> list[list[int]]:
+    """Held-out arithmetic and CHAMP problems, interleaved, chat-formatted."""
+    tok = load_tokenizer(large)
+    a = champ.chat_prompts(tok, arith.split().held_out[:n_arith])
+    c = champ.chat_prompts(tok, champ.split().held_out[:n_champ])
+    out = []
+    for i in range(max(len(a), len(c))):
+        out += a[i:i + 1] + c[i:i + 1]
+    return out
+
+
+def step_fit(steps: list[Step]) -> np.ndarray:
+    """Least squares of step seconds on [1, batch, tokens beyond one per request]."""
+    x = np.array([[1.0, len(s.rids), sum(s.extend_lens) - len(s.rids)] for s in steps])
+    y = np.array([s.end - s.start for s in steps])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    return coef
+
+
+def overlaps(s: Step, others: np.ndarray) -> float:
+    """Seconds of `s` during which one of `others` ((start, end) rows, disjoint) ran."""
+    if not len(others):
+        return 0.0
+    lo = np.maximum(others[:, 0], s.start)
+    hi = np.minimum(others[:, 1], s.end)
+    return float(np.clip(hi - lo, 0.0, None).sum())
+
+
+def latencies_from_trace(steps: list[Step]) -> dict:
+    """Step latencies, interference and prompt share of a two-model run, read off its trace."""
+    s_steps = [s for s in steps if s.model == 0]
+    l_steps = [s for s in steps if s.model == 1]
+    l_iv = np.array([(s.start, s.end) for s in l_steps])
+    ov = np.array([overlaps(s, l_iv) for s in s_steps])
+    alone = [s for s, o in zip(s_steps, ov) if o == 0.0]
+    cs = step_fit(alone if len(alone) >= 10 else s_steps)
+    cl = step_fit(l_steps)
+    stretch = sum((s.end - s.start) - (cs[0] + cs[1] * len(s.rids) + cs[2] * (sum(s.extend_lens) - len(s.rids)))
+                  for s, o in zip(s_steps, ov) if o > 0)
+    alpha = float(np.clip(stretch / ov.sum(), 0.0, 1.0)) if ov.sum() > 0 else 0.0
+    # prompt tokens: a request's first step on each model feeds everything it has not seen yet
+    seen: set[tuple[int, str]] = set()
+    prompt_secs = total = 0.0
+    for s in steps:
+        took = s.end - s.start
+        total += took
+        tokens = sum(s.extend_lens)
+        first = sum(n for r, n in zip(s.rids, s.extend_lens) if (s.model, r) not in seen)
+        seen.update((s.model, r) for r in s.rids)
+        prompt_secs += took * first / tokens if first > len(s.rids) and tokens else 0.0
+    return {"s_coef": cs.tolist(), "l_coef": cl.tolist(), "alpha": alpha, "s_alone_steps": len(alone),
+            "s_steps": len(s_steps), "l_steps": len(l_steps), "first_visit_share": prompt_secs / total}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default=None, help="a prepared pair folder (pair.yaml, prepared.json); "
+                    "default: the default pair, prepared (cached) on first use")
+    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--arith", type=int, default=16, help="held-out arithmetic prompts")
+    ap.add_argument("--champ", type=int, default=8, help="held-out CHAMP prompts")
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--b", default="1", help="launch thresholds B of the large model to measure")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
+                    help="run the prompts once, unmeasured, before the measured runs (prefix caches warm)")
+    ap.add_argument("--sim-steps", type=int, default=40_000)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--report", default=None, help="print the tables (and --plot) of an --out JSON, run nothing")
+    args = ap.parse_args()
+    if args.report:
+        report = json.loads(Path(args.report).read_text())
+        predict(report, args.sim_steps)
+        table(report)
+        if args.plot:
+            plot(report, args.plot)
+        return 0
+    torch.set_num_threads(1)
+    folder = Path(args.pair) if args.pair else default_pair_config().parent
+    meta = json.loads((folder / "prepared.json").read_text())
+    trace_dir = tempfile.mkdtemp(prefix="steptrace-")
+    os.environ[TRACE_ENV] = trace_dir
+    ids = prompts(meta["large"], args.arith, args.champ)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    report = {"pair": str(folder), "n": args.n, "prompts": len(ids), "max_tokens": args.max_tokens,
+              "warmup": args.warmup,
+              "prompt_tokens_mean": float(np.mean([len(p) for p in ids])), "routers": {}}
+    for kind in args.routers.split(","):
+        algo = served_algorithm(meta, kind)
+        if algo is None:
+            raise SystemExit(f"{folder}: no {kind} router prepared")
+        entry = Entry(GroupConfig.from_dict({
+            "name": f"default-{kind}", "models": [{"name": "small", "path": meta["small"]},
+                                                 {"name": "large", "path": meta["large"]}],
+            "algorithm": algo, "launch": {"policy": "eager"}}))
+        runs = []
+        sent: list[int] = []
+        cut: list[int] = []
+        l_spans: list[int] = []
+        try:
+            if args.warmup:  # the same prompts run once, unmeasured: every measured run finds them in both
+                # models' prefix caches (the first run would otherwise pay the prompts' prefill alone)
+                run_closed_loop(entry, ids, params, concurrency=args.n, seed=1)
+            for b in [int(x) for x in args.b.split(",")]:
+                entry.pool.send("large", SetThresholds({1: b}))
+                t0 = time.perf_counter()
+                res = run_closed_loop(entry, ids, params, concurrency=args.n, seed=1)
+                t1 = time.perf_counter()
+                steps = read_trace(trace_dir, t0, t1)
+                r = send_runs(steps, 0)
+                if not runs:  # greedy answers to the same prompts: every B's run sends alike
+                    sent, cut, l_spans = r.sent, r.cut, send_runs(steps, 1).sent
+                costs = runtime_costs(steps)
+                lat = latencies_from_trace(steps)
+                runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput,
+                             "tokens": res.output_tokens, "seconds": t1 - t0, "runs_sent": len(r.sent),
+                             "runs_cut": len(r.cut), "costs": costs.to_dict(), **lat})
+                print(f"{kind} B={b}: {res.steady_throughput:.1f} tok/s steady ({res.output_tokens} tokens, "
+                      f"{t1 - t0:.0f} s), "
+                      f"{len(r.sent)} runs sent, {len(r.cut)} cut, alpha {lat['alpha']:.2f}", flush=True)
+        finally:
+            entry.close()
+        fit = fit_runs(sent, cut)
+        report["routers"][kind] = {"threshold": algo, "fit": fit.to_json(), "runs": runs,
+                                   "steps": fit.steps.tolist(), "pmf": fit.pmf.tolist(),
+                                   "survival": fit.survival.tolist(), "sent": sent, "cut": cut,
+                                   "large_spans": sorted(set(l_spans))}
+        print(f"{kind}: {json.dumps(fit.to_json())}", flush=True)
+        if args.out:  # after each router: a slow run keeps what it measured
+            Path(args.out).write_text(json.dumps(report, indent=1))
+    predict(report, args.sim_steps)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    table(report)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+def predict(report: dict, sim_steps: int) -> None:
+    """The planner's throughput for each measured run: the continuous chain with the fitted p, and the
+    simulator with the measured run lengths, both with the run's latencies read off its trace. The
+    hand-off latency is the B = 1 run's when there is one: `runtime_costs` counts a hand-off's wait
+    while L was idle, and with B > 1 an idle L also waits for the B-th request on purpose."""
+    for r in report["routers"].values():
+        fit = fit_runs(r["sent"], r["cut"])
+        gaps = fit.gap_histogram()
+        eager = [run["costs"]["handoff"] for run in r["runs"] if run["b"] == 1]
+        for run in r["runs"]:
+            cs, cl, c = run["s_coef"], run["l_coef"], run["costs"]
+            lat_s = (lambda b, cs=cs: cs[0] + cs[1] * b)
+            lat_l = (lambda b, cl=cl: cl[0] + cl[1] * b)
+            ov = Overheads(s_token=max(cs[2], 0.0), l_token=max(cl[2], 0.0), s_overhead=c["s_step_gap"],
+                           l_overhead=c["l_step_gap"], handoff=eager[0] if eager else c["handoff"])
+            n, b = report["n"], run["b"]
+            try:
+                geo = float(throughput_curve(n, fit.p, lat_s, lat_l, run["alpha"], overheads=ov)[b - 1])
+            except ValueError as e:  # the chain's own limits (a hand-off slower than an S step)
+                print(f"geometric chain, B={b}: {e}")
+                geo = float("nan")
+            sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps)
+            steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
+            run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
+                       measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
+                       measured_runs_error=sim.throughput / steady - 1)
+
+
+def table(report: dict) -> None:
+    print("\n| router | served threshold | runs (censored) | fitted p | mean run (steps) | CV (geometric's) | "
+          "hazard chi-square (dof), p-value | Kaplan-Meier distance |")
+    print("|---|---:|---:|---:|---:|---:|---|---:|")
+    for kind, r in report["routers"].items():
+        f = r["fit"]
+        knob = [v for k, v in r["threshold"].items() if k not in ("name", "router")][0]
+        print(f"| {kind} | {knob:.4g} | {f['runs']} ({f['censored']}) | {f['p']:.3f} | {f['mean_steps']:.2f} | "
+              f"{f['cv']:.3f} ({f['geometric_cv']:.3f}) | {f['chi2']:.1f} ({f['dof']}), {f['p_value']:.3g} | "
+              f"{f['ks']:.3f} |")
+    print("\n| router | B | measured tok/s | geometric chain (error) | measured-runs simulator (error) | "
+          "t_S(1), t_L(1) ms | alpha | first-visit share of step time |")
+    print("|---|---:|---:|---|---|---|---:|---:|")
+    for kind, r in report["routers"].items():
+        for run in r["runs"]:
+            cs, cl = run["s_coef"], run["l_coef"]
+            print(f"| {kind} | {run['b']} | {run['steady']:.1f} | {run['geometric_chain']:.1f} "
+                  f"({100 * run['geometric_error']:+.1f}%) | {run['measured_runs_model']:.1f} +- "
+                  f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) | "
+                  f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
+                  f"{100 * run['first_visit_share']:.0f}% |")
+
+
+def plot(report: dict, out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(report["routers"])
+    fig, axes = plt.subplots(2, len(kinds), figsize=(5.2 * len(kinds), 7), squeeze=False)
+    for i, kind in enumerate(kinds):
+        r = report["routers"][kind]
+        k = np.array(r["steps"])
+        p = r["fit"]["p"]
+        ax = axes[0][i]
+        ax.bar(k, r["pmf"], width=0.8, alpha=0.6, label="measured (Kaplan-Meier)")
+        ax.plot(k, p * (1 - p) ** (k - 1), "r.-", label=f"geometric, p = {p:.3f}")
+        ax.set_xlim(0, min(len(k), 40) + 1)
+        ax.set_title(f"{kind}: chi-square p = {r['fit']['p_value']:.2g}, mean {r['fit']['mean_steps']:.2f}")
+        ax.set_xlabel("run length (small-model steps between sends)")
+        ax.set_ylabel("probability")
+        ax.legend()
+        ax = axes[1][i]
+        ax.semilogy(k, r["survival"], "b-", label="measured P(run > k)")
+        ax.semilogy(k, (1 - p) ** k, "r--", label="geometric")
+        ax.set_xlim(0, min(len(k), 50) + 1)
+        ax.set_ylim(1e-3, 1.1)
+        ax.set_xlabel("k")
+        ax.set_title(f"Kaplan-Meier distance {r['fit']['ks']:.3f}")
+        ax.legend()
+    fig.suptitle(f"Default pair, trained routers at their served thresholds: run lengths from the step trace "
+                 f"(N = {report['n']}, {report['prompts']} prompts, <= {report['max_tokens']} tokens)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
