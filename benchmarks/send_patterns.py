@@ -190,7 +190,9 @@ def main() -> int:
     return 0
 
 
-def plot(report: dict, out: str) -> None:
+def plot(report: dict, out: str, title: str | None = None, xlim: tuple[int, int] = (60, 80)) -> None:
+    """Each router's run-length pmf and survival against the geometric fit (send_patterns_pair.py
+    draws its routers with this too)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,24 +204,23 @@ def plot(report: dict, out: str) -> None:
         r = report["routers"][spec]
         k = np.array(r["steps"])
         p = r["fit"]["p"]
-        geo_pmf = p * (1 - p) ** (k - 1)
         ax = axes[0][i]
         ax.bar(k, r["pmf"], width=0.8, alpha=0.6, label="measured (Kaplan-Meier)")
-        ax.plot(k, geo_pmf, "r.-", label=f"geometric, p = {p:.3f}")
-        ax.set_xlim(0, min(len(k), 60) + 1)
-        ax.set_title(f"{spec}: chi-square p = {r['fit']['p_value']:.2g}")
+        ax.plot(k, p * (1 - p) ** (k - 1), "r.-", label=f"geometric, p = {p:.3f}")
+        ax.set_xlim(0, min(len(k), xlim[0]) + 1)
+        ax.set_title(f"{spec}: chi-square p = {r['fit']['p_value']:.2g}, mean {r['fit']['mean_steps']:.2f}")
         ax.set_xlabel("run length (small-model steps between sends)")
         ax.set_ylabel("probability")
         ax.legend()
         ax = axes[1][i]
         ax.semilogy(k, r["survival"], "b-", label="measured P(run > k)")
         ax.semilogy(k, (1 - p) ** k, "r--", label="geometric")
-        ax.set_xlim(0, min(len(k), 80) + 1)
+        ax.set_xlim(0, min(len(k), xlim[1]) + 1)
         ax.set_ylim(1e-3, 1.1)
         ax.set_xlabel("k")
         ax.set_title(f"KS distance {r['fit']['ks']:.3f}")
         ax.legend()
-    fig.suptitle(f"Run lengths between sends, from the step trace (N = {report['n']}, paper profile)")
+    fig.suptitle(title or f"Run lengths between sends, from the step trace (N = {report['n']}, paper profile)")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     print(f"wrote {out}")

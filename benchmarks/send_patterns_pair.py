@@ -61,6 +61,9 @@ from tokenrouter.runtime.messages import SetThresholds
 from tokenrouter.training import arith, champ
 from tokenrouter.training.prepare import default_pair_config, served_algorithm
 
+sys.path.insert(0, os.path.dirname(__file__))
+from send_patterns import plot  # noqa: E402
+
 ROUTERS = ("citer", "r2r", "co_llm")
 
 
@@ -140,7 +143,7 @@ def main() -> int:
         predict(report, args.sim_steps)
         table(report)
         if args.plot:
-            plot(report, args.plot)
+            draw(report, args.plot)
         return 0
     torch.set_num_threads(1)
     folder = Path(args.pair) if args.pair else default_pair_config().parent
@@ -200,7 +203,7 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(report, indent=1))
     table(report)
     if args.plot:
-        plot(report, args.plot)
+        draw(report, args.plot)
     return 0
 
 
@@ -255,39 +258,11 @@ def table(report: dict) -> None:
                   f"{100 * run['first_visit_share']:.0f}% |")
 
 
-def plot(report: dict, out: str) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    kinds = list(report["routers"])
-    fig, axes = plt.subplots(2, len(kinds), figsize=(5.2 * len(kinds), 7), squeeze=False)
-    for i, kind in enumerate(kinds):
-        r = report["routers"][kind]
-        k = np.array(r["steps"])
-        p = r["fit"]["p"]
-        ax = axes[0][i]
-        ax.bar(k, r["pmf"], width=0.8, alpha=0.6, label="measured (Kaplan-Meier)")
-        ax.plot(k, p * (1 - p) ** (k - 1), "r.-", label=f"geometric, p = {p:.3f}")
-        ax.set_xlim(0, min(len(k), 40) + 1)
-        ax.set_title(f"{kind}: chi-square p = {r['fit']['p_value']:.2g}, mean {r['fit']['mean_steps']:.2f}")
-        ax.set_xlabel("run length (small-model steps between sends)")
-        ax.set_ylabel("probability")
-        ax.legend()
-        ax = axes[1][i]
-        ax.semilogy(k, r["survival"], "b-", label="measured P(run > k)")
-        ax.semilogy(k, (1 - p) ** k, "r--", label="geometric")
-        ax.set_xlim(0, min(len(k), 50) + 1)
-        ax.set_ylim(1e-3, 1.1)
-        ax.set_xlabel("k")
-        ax.set_title(f"Kaplan-Meier distance {r['fit']['ks']:.3f}")
-        ax.legend()
-    fig.suptitle(f"Default pair, trained routers at their served thresholds: run lengths from the step trace "
-                 f"(N = {report['n']}, {report['prompts']} prompts, <= {report['max_tokens']} tokens)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    print(f"wrote {out}")
+def draw(report: dict, out: str) -> None:
+    plot(report, out, xlim=(40, 50),
+         title=f"Default pair, trained routers at their served thresholds: run lengths from the step trace "
+               f"(N = {report['n']}, {report['prompts']} prompts, <= {report['max_tokens']} tokens)")
 
 
 if __name__ == "__main__":
