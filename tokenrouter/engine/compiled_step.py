@@ -36,7 +36,7 @@ from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_outputs import StepOutputSpec, StepTensors, step_tensors
 from tokenrouter.models.attention.static_decode import DecodeInputs, StaticDecodeAttention, decode_inputs
 from tokenrouter.models.kv_pool import KVPool
-from tokenrouter.models.layers import RotaryEmbedding
+from tokenrouter.models.layers import Rope
 from tokenrouter.models.llama import DecoderLayer, LayerCall, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -59,19 +59,17 @@ def inductor_cache_dir() -> Path:
     return Path(root) / "inductor"
 
 
-def _run_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-               attn: StaticDecodeAttention) -> torch.Tensor:
-    return layer(x, positions, rotary, attn)
+def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, attn: StaticDecodeAttention) -> torch.Tensor:
+    return layer(x, rope, attn)
 
 
 def _decode_step(model: LlamaForCausalLM, attn: StaticDecodeAttention, layer_fn: LayerCall,
                  head: Callable[[torch.Tensor], StepTensors], inputs: DecodeInputs) -> StepTensors:
     attn.bind(inputs)
 
-    def run_layer(layer: DecoderLayer, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                  attn: StaticDecodeAttention) -> torch.Tensor:
+    def run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, attn: StaticDecodeAttention) -> torch.Tensor:
         attn.enter_layer(layer.self_attn.layer)
-        return layer_fn(layer, x, positions, rotary, attn)
+        return layer_fn(layer, x, rope, attn)
 
     return head(model.forward_tokens(inputs.input_ids, inputs.positions, attn, run_layer))
 

@@ -44,8 +44,13 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of each row's position, [T, 1, head_dim / 2]
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a cos/sin table for every position up to max_positions."""
+    """Rotate-half rotary embedding with a cos/sin table for every position up to max_positions.
+
+    `angles` looks a step's positions up once; every layer then applies them with `rotate`."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -54,13 +59,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def angles(self, positions: torch.Tensor) -> Rope:
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by its row's angles (computed in float32, returned in x's dtype).
+    Any number of heads: a layer rotates q and k as one tensor, halving the element-wise calls."""
+    cos, sin = rope
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

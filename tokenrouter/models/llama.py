@@ -21,7 +21,7 @@ from tokenrouter.models import onednn_linear
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
-from tokenrouter.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from tokenrouter.models.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
 from tokenrouter.models.parallel_layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -48,15 +48,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        qk_width = self.q_size + self.kv_size
+        v = qkv[:, qk_width:].view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # each of q and k has its own norm weights: rotated apart
+            q = rotate(self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)), rope)
+            k = rotate(self.k_norm(qkv[:, self.q_size:qk_width].view(-1, self.num_kv_heads, self.head_dim)), rope)
+        else:  # q and k sit side by side in the fused product: one rotation for both
+            qk = rotate(qkv[:, :qk_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+            q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attn.forward(self.layer, q, k, v)
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -69,9 +70,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, attn)
+    def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -83,7 +83,7 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-LayerCall = Callable[[DecoderLayer, torch.Tensor, torch.Tensor, RotaryEmbedding, AttentionBackend], torch.Tensor]
+LayerCall = Callable[[DecoderLayer, torch.Tensor, Rope, AttentionBackend], torch.Tensor]
 
 
 # HF checkpoint name fragment -> (our fused parameter fragment, shard index)
@@ -121,13 +121,13 @@ class LlamaForCausalLM(nn.Module):
 
     def forward_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                        run_layer: LayerCall | None = None) -> torch.Tensor:
-        """`forward` on bare tensors (attn planned or bound already). `run_layer(layer, x, positions,
-        rotary, attn)` runs each decoder layer in place of a plain call: the compiled decode step
-        passes one compiled function that serves every layer."""
+        """`forward` on bare tensors (attn planned or bound already). `run_layer(layer, x, rope, attn)`
+        runs each decoder layer in place of a plain call: the compiled decode step passes one compiled
+        function that serves every layer. The positions' rotary angles are looked up once per step."""
         x = self.model.embed_tokens(input_ids)
+        rope = self.rotary.angles(positions)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rotary, attn) if run_layer is None else run_layer(
-                layer, x, positions, self.rotary, attn)
+            x = layer(x, rope, attn) if run_layer is None else run_layer(layer, x, rope, attn)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
