@@ -233,6 +233,24 @@ def predict(report: dict, sim_steps: int) -> None:
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
                        measured_runs_error=sim.throughput / steady - 1)
+        r["launch_rule"] = launch_rule(report["n"], fit.p, r["runs"], eager[0] if eager else None)
+
+
+def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None) -> dict | None:
+    """The B the planner would launch at, planned from the eager (B = 1) run alone (what a server
+    serving eagerly has measured), beside the B that measured fastest. None without a B = 1 run."""
+    eager = next((run for run in runs if run["b"] == 1), None)
+    if eager is None or handoff is None:
+        return None
+    cs, cl, c = eager["s_coef"], eager["l_coef"], eager["costs"]
+    ov = Overheads(s_token=max(cs[2], 0.0), l_token=max(cl[2], 0.0), s_overhead=c["s_step_gap"],
+                   l_overhead=c["l_step_gap"], handoff=handoff)
+    curve = throughput_curve(n, p, lambda b: cs[0] + cs[1] * b, lambda b: cl[0] + cl[1] * b, eager["alpha"],
+                             overheads=ov)
+    fastest = max(runs, key=lambda run: run["steady"] or 0.0)
+    return {"planned_b": int(np.argmax(curve)) + 1, "planned_tok_s": float(curve.max()),
+            "predicted_by_b": {run["b"]: float(curve[run["b"] - 1]) for run in runs if run["b"] <= n},
+            "fastest_measured_b": fastest["b"], "fastest_measured_tok_s": fastest["steady"]}
 
 
 def table(report: dict) -> None:
@@ -256,6 +274,17 @@ def table(report: dict) -> None:
                   f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) | "
                   f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
+    print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")
+    for kind, r in report["routers"].items():
+        rule = r.get("launch_rule")
+        if rule is None:
+            print(f"- {kind}: no B = 1 run to plan from")
+            continue
+        measured = {run["b"]: run["steady"] for run in r["runs"]}
+        cells = ", ".join(f"B={b}: {rule['predicted_by_b'][b]:.1f} predicted / {measured[b]:.1f} measured"
+                          for b in sorted(rule["predicted_by_b"]))
+        print(f"- {kind}: the planner picks B = {rule['planned_b']} ({rule['planned_tok_s']:.1f} tok/s predicted); "
+              f"fastest measured B = {rule['fastest_measured_b']} ({rule['fastest_measured_tok_s']:.1f} tok/s); {cells}")
 
 
 
