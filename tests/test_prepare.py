@@ -288,8 +288,8 @@ def test_served_default_pair_answers_a_chat_request(quick_pair):
 def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):
     cache, pair = quick_pair
     monkeypatch.setenv("TOKENROUTER_CACHE", str(cache))
-    s = EvalSettings(task="arith", problems=2, max_tokens=6, algorithms=("r2r", "r_stitch"), points=1,
-                     query_train_problems=4, query_shares=(0.0, 0.5, 1.0))
+    s = EvalSettings(task="arith", problems=2, max_tokens=4, algorithms=("r2r", "r_stitch"), points=1,
+                     query_train_problems=2, reference_tokens=16, query_shares=(0.0, 0.5, 1.0))
     results = evaluate(pair, s, progress=False, log=lambda m: None)
     by = {(r.system, r.param): r.totals for r in results}
     small, large = by[("small", "")], by[("large", "")]

@@ -42,18 +42,19 @@ def stack(pair_paths, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def routed(pair_paths):
-    """The routed runtime's outputs: {(p, prompt index, temperature, seed, stop ids): (token_ids, token_models)}."""
+    """The routed runtime's outputs: {(p, prompt index, temperature, seed): (token_ids, token_models)}. One
+    group start: each p other than the group's own is the request's routing override of it."""
     out = {}
-    for p in PS:
-        cfg = {"models": [{"name": n, "path": str(pair_paths[n]), "kv_cache_tokens": 4096, "page_size": 4}
-                          for n in ("small", "large")],
-               "algorithm": {"name": "bernoulli", "p": p}}
-        with RoutedLLM(cfg) as llm:
+    cfg = {"models": [{"name": n, "path": str(pair_paths[n]), "kv_cache_tokens": 4096, "page_size": 4}
+                      for n in ("small", "large")],
+           "algorithm": {"name": "bernoulli", "p": 0.3}}
+    with RoutedLLM(cfg) as llm:
+        for p in PS:
             for i, prompt in enumerate(PROMPTS):
                 for temp, seed in CASES:
                     sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=temp, seed=seed, ignore_eos=True)
-                    c = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False,
-                                     timeout=60)[0].outputs[0]
+                    c = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False, timeout=60,
+                                     routing=None if p == 0.3 else {"p": p})[0].outputs[0]
                     out[(p, i, temp, seed)] = (list(c.token_ids), list(c.token_models))
     return out
 

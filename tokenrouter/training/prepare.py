@@ -75,6 +75,10 @@ class PrepareSettings:
     selection_refinements: int = 3
     max_share: float = 0.4
     selected_kinds: tuple[str, ...] = ROUTER_KINDS  # routers measured; any other serves its router.json threshold
+    # Caps every task's output length (the large model's answers, the R2R labels' continuations, the
+    # operating point's answers) below the task's own (evaluation/tasks.py); None: the task's own. For
+    # CI-sized runs: outcome labelling costs grow with the square of the answers' length.
+    answer_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("arith_answers", "router_arith_answers", "champ_answers", "router_champ_answers",
@@ -85,6 +89,8 @@ class PrepareSettings:
             raise ValueError("prepare router_arith_answers and router_champ_answers must leave answers for the "
                              f"student: got {self.router_arith_answers} of {self.arith_answers} and "
                              f"{self.router_champ_answers} of {self.champ_answers}")
+        if self.answer_tokens is not None and self.answer_tokens < 1:
+            raise ValueError(f"prepare answer_tokens must be at least 1 (or None), got {self.answer_tokens}")
         if self.selection_refinements < 0:
             raise ValueError(f"prepare selection_refinements must be at least 0, got {self.selection_refinements}")
         if not self.selection_offsets:
@@ -96,13 +102,21 @@ class PrepareSettings:
             raise ValueError(f"prepare selected_kinds must name some of {', '.join(ROUTER_KINDS)}, got "
                              f"{list(self.selected_kinds)}")
 
+    def max_tokens(self, task_name: str) -> int:
+        """Output tokens an answer of task `task_name` gets here."""
+        cap = task(task_name).max_tokens
+        return cap if self.answer_tokens is None else min(cap, self.answer_tokens)
+
     def key(self) -> str:
-        return settings_key({**dataclasses.asdict(self), "large": SMOLLM2_NAME})
+        d = dataclasses.asdict(self)
+        if d["answer_tokens"] is None:  # uncapped: the key pairs prepared before the field existed have
+            del d["answer_tokens"]
+        return settings_key({**d, "large": SMOLLM2_NAME})
 
     def answers_key(self) -> str:
         return settings_key({"large": SMOLLM2_NAME, "seed": self.student.seed, "arith": self.arith_answers,
                              "champ": self.champ_answers,
-                             "max_tokens": {k: task(k).max_tokens for k in ("arith", "champ")}})
+                             "max_tokens": {k: self.max_tokens(k) for k in ("arith", "champ")}})
 
     def router_key(self, kind: str) -> str:
         """Changes only with what that router's training reads: settings of other routers (or of the
@@ -117,12 +131,13 @@ class PrepareSettings:
 
 def quick_settings() -> PrepareSettings:
     """A reduced setting for CI and smoke tests: a student carved from one layer, a few steps, few
-    answers and labels. The pair is real (SmolLM2 and a student of it) but the student has barely trained."""
+    answers and labels, short answers. The pair is real (SmolLM2 and a student of it) but the student has
+    barely trained."""
     return PrepareSettings(
         student=StudentSettings(layers=(0,), seq_len=64, batch_size=2, steps=4, train_sequences=4,
                                 held_out_sequences=2, task_sequences=2),
-        arith_answers=8, champ_answers=2, router_arith_answers=4, router_champ_answers=1,
-        router_tokens=1_500, router_seq_len=64, router_epochs=2,
+        arith_answers=4, champ_answers=2, router_arith_answers=2, router_champ_answers=1,
+        router_tokens=600, router_seq_len=64, router_epochs=2, answer_tokens=16,
         selection_problems=2, selection_offsets=(0.0,), selected_kinds=("citer",))
 
 
@@ -280,8 +295,8 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
             answered = []
             for name, problems in answered_problems(s).items():
                 say(f"the large model answers {len(problems)} {name} training problems "
-                    f"({task(name).max_tokens} tokens at most)")
-                answered += large_answers.answer(large, name, chat_prompts(tok, problems), task(name).max_tokens,
+                    f"({s.max_tokens(name)} tokens at most)")
+                answered += large_answers.answer(large, name, chat_prompts(tok, problems), s.max_tokens(name),
                                                  progress)
             large_answers.save(answered, answers_file)
     student_answers, router_answers = split_answers(s, large_answers.load(answers_file))
@@ -350,7 +365,7 @@ def train_pair_router(s: PrepareSettings, kind: str, small: Path, large: Path, t
     if kind == "r2r":
         texts = ()
         outcome = OutcomeLabeller(large, answers, lambda ids: tok.decode(ids, skip_special_tokens=True),
-                                  lambda name, text: task(name).key(text), lambda name: task(name).max_tokens,
+                                  lambda name, text: task(name).key(text), s.max_tokens,
                                   {int(tok.eos_token_id)}, progress)
     train_router(kind, small, large, texts, tmp, exchanges=answers, outcome=outcome, seed=s.student.seed,
                  seq_len=s.router_seq_len, max_tokens=s.router_tokens, epochs=s.router_epochs,
@@ -369,7 +384,7 @@ def operating_points(s: PrepareSettings, kind: str, small: Path, large: Path, ro
     group = GroupConfig.from_dict(group_dict(small, large, {kind: router}, {kind: centre}, kind))
     values = [shifted(centre, off) for off in s.selection_offsets]
     return measure(group, chat_prompts(tok, problems), [p.answer for p in problems], task("arith").correct, values,
-                   task("arith").max_tokens, say, max_share=s.max_share, refinements=s.selection_refinements)
+                   s.max_tokens("arith"), say, max_share=s.max_share, refinements=s.selection_refinements)
 
 
 def default_pair_config() -> Path | None:
