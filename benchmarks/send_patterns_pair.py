@@ -37,6 +37,7 @@ bringing the whole prompt to L): the share of step time that prompt tokens took 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -229,22 +230,32 @@ def predict(report: dict, sim_steps: int) -> None:
                 print(f"geometric chain, B={b}: {e}")
                 geo = float("nan")
             sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps)
+            # Runs cut by a request's end never reach L: L's catch-up is the mean of the runs that sent.
+            ov_cut = dataclasses.replace(ov, catchup=max(float(np.mean(r["sent"])) - 1.0, 0.0))
+            try:
+                cut = float(throughput_curve(n, fit.p, lat_s, lat_l, run["alpha"], overheads=ov_cut)[b - 1])
+            except ValueError as e:
+                print(f"chain with the measured catch-up, B={b}: {e}")
+                cut = float("nan")
             steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
-                       measured_runs_error=sim.throughput / steady - 1)
-        r["launch_rule"] = launch_rule(report["n"], fit.p, r["runs"], eager[0] if eager else None)
+                       measured_runs_error=sim.throughput / steady - 1, catchup_chain=cut,
+                       catchup_chain_error=cut / steady - 1, catchup_tokens=ov_cut.catchup)
+        r["launch_rule"] = launch_rule(report["n"], fit.p, r["runs"], eager[0] if eager else None,
+                                       max(float(np.mean(r["sent"])) - 1.0, 0.0))
 
 
-def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None) -> dict | None:
+def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None, catchup: float) -> dict | None:
     """The B the planner would launch at, planned from the eager (B = 1) run alone (what a server
-    serving eagerly has measured), beside the B that measured fastest. None without a B = 1 run."""
+    serving eagerly has measured; the chain with the catch-up of the runs that sent), beside the B
+    that measured fastest. None without a B = 1 run."""
     eager = next((run for run in runs if run["b"] == 1), None)
     if eager is None or handoff is None:
         return None
     cs, cl, c = eager["s_coef"], eager["l_coef"], eager["costs"]
     ov = Overheads(s_token=max(cs[2], 0.0), l_token=max(cl[2], 0.0), s_overhead=c["s_step_gap"],
-                   l_overhead=c["l_step_gap"], handoff=handoff)
+                   l_overhead=c["l_step_gap"], handoff=handoff, catchup=catchup)
     curve = throughput_curve(n, p, lambda b: cs[0] + cs[1] * b, lambda b: cl[0] + cl[1] * b, eager["alpha"],
                              overheads=ov)
     fastest = max(runs, key=lambda run: run["steady"] or 0.0)
@@ -264,14 +275,16 @@ def table(report: dict) -> None:
               f"{f['cv']:.3f} ({f['geometric_cv']:.3f}) | {f['chi2']:.1f} ({f['dof']}), {f['p_value']:.3g} | "
               f"{f['ks']:.3f} |")
     print("\n| router | B | measured tok/s | geometric chain (error) | measured-runs simulator (error) | "
-          "t_S(1), t_L(1) ms | alpha | first-visit share of step time |")
-    print("|---|---:|---:|---|---|---|---:|---:|")
+          "chain, catch-up of the runs that sent (error) | t_S(1), t_L(1) ms | alpha | first-visit share of step time |")
+    print("|---|---:|---:|---|---|---|---|---:|---:|")
     for kind, r in report["routers"].items():
         for run in r["runs"]:
             cs, cl = run["s_coef"], run["l_coef"]
             print(f"| {kind} | {run['b']} | {run['steady']:.1f} | {run['geometric_chain']:.1f} "
                   f"({100 * run['geometric_error']:+.1f}%) | {run['measured_runs_model']:.1f} +- "
                   f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) | "
+                  f"{run['catchup_chain']:.1f} ({100 * run['catchup_chain_error']:+.1f}%, {run['catchup_tokens']:.1f} "
+                  "tokens) | "
                   f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
     print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")

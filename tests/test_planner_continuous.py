@@ -69,6 +69,11 @@ def test_runtime_latencies_add_catch_up_tokens_and_overheads():
     assert t_s(4) == pytest.approx(0.012 + 8e-4 + 1e-5 * 0.1 * 1.0 * 4)  # spans of 2: one extra token
     with pytest.raises(ValueError, match="handoff"):
         Overheads(handoff=-1.0)
+    # A measured catch-up (runs cut by the request's end never reach L) replaces the geometric 9 tokens.
+    measured = Overheads(l_token=2e-4, l_overhead=9e-4, catchup=3.5)
+    assert measured.step_latencies(LAT_S, LAT_L, 0.1)[1](4) == pytest.approx(0.026 + 0.0016 + 9e-4 + 2e-4 * 3.5 * 4)
+    with pytest.raises(ValueError, match="catchup must be >= 0 tokens"):
+        Overheads(catchup=-1.0)
 
 
 def test_planning_with_a_runtime():

@@ -6,7 +6,8 @@ the latency-model executor (benchmarks/ablation.py --calibrate, from tokenrouter
 - catch-up tokens: a request handed to L brings the tokens S wrote since L last ran it, which L
   must feed before it samples; with geometric gaps that is (1 - p) / p tokens beyond one per
   request (only for the first token of a span: continuations bring none), each costing the
-  profile's per-token latency. S gets back a span of L's tokens, m_L - 1 beyond one, for the
+  profile's per-token latency; `catchup` replaces it with a measured mean (runs cut by a
+  request's end never reach L, so the runs that do are shorter than the fitted 1 / p says). S gets back a span of L's tokens, m_L - 1 beyond one, for the
   share p of its batch that just returned.
 - a per-step overhead of each model (scheduling, routing, sending tokens and hand-offs, draining
   the inbox): time between two steps of a model that has work;
@@ -31,17 +32,27 @@ class Overheads:
     s_overhead: float = 0.0  # seconds per S step added by the runtime
     l_overhead: float = 0.0  # seconds per L step added by the runtime (returns reach S after it)
     handoff: float = 0.0  # seconds from an S step's end to the start of the idle L's step
+    # Tokens beyond one a request brings to L per visit. None: the geometric (1 - q_L)(1 - p) / p.
+    # Requests that end (EOS, max_tokens) cut their last run without a send, so when long runs end
+    # that way the runs that do reach L are shorter than 1 / p: a measured mean is then the figure.
+    catchup: float | None = None
 
     def __post_init__(self) -> None:
         for name, v in self.__dict__.items():
+            if name == "catchup" and v is None:
+                continue
             if not v >= 0.0:
-                raise ValueError(f"runtime {name} must be >= 0 seconds, got {v}")
+                unit = "tokens" if name == "catchup" else "seconds"
+                raise ValueError(f"runtime {name} must be >= 0 {unit}, got {v}")
 
     def step_latencies(self, lat_s: LatencyLike, lat_l: LatencyLike, p: float,
                        q_l: float = 0.0) -> tuple[LatencyModel, LatencyModel]:
         """(t_S(b), t_L(b)) as the runtime sees them: profile latency + catch-up tokens + overhead."""
         s, lat = as_latency(lat_s), as_latency(lat_l)
-        l_extra = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
+        if self.catchup is not None:
+            l_extra = self.catchup
+        else:
+            l_extra = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
         s_extra = p * q_l / (1.0 - q_l)
         s_eff = Function(lambda b: s(b) + self.s_overhead + self.s_token * s_extra * b)
         l_eff = Function(lambda b: lat(b) + self.l_overhead + self.l_token * l_extra * b)
