@@ -30,32 +30,39 @@ def hf_pair(pair_paths):
             for n, path in pair_paths.items()}
 
 
+@pytest.fixture(scope="module")
+def routed(pair_paths):
+    """One group at p = 0.3 for the tests below (a request overrides p through `routing`)."""
+    with RoutedLLM(group(pair_paths, 0.3)) as llm:
+        yield llm
+
+
 @pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0])
-def test_token_exact_under_greedy(pair_paths, hf_pair, p):
+def test_token_exact_under_greedy(routed, hf_pair, p):
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    with RoutedLLM(group(pair_paths, p)) as llm:
-        for batch in (1, 4, 16):
-            prompts = prompts_of([3 + (7 * i) % 29 for i in range(batch)], seed=100 + batch)
-            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
-            written = {"small": 0, "large": 0}
-            checked = 0
-            for prompt, out in zip(prompts, outs):
-                c = out.outputs[0]
-                assert len(c.token_ids) == 10 and c.finish_reason == "length"
-                assert c.token_models is not None and len(c.token_models) == 10
-                checked += check_exact(hf_pair, prompt, c.token_ids, c.token_models)
-                for m in c.token_models:
-                    written[m] += 1
-            assert checked >= 9 * batch
-            if p == 0.0:
-                assert written["large"] == 0
-            elif p == 1.0:
-                assert written["small"] == 0  # every small token is dropped and rewritten
-            elif p == 0.5 and batch == 16:
-                assert written["small"] > 0 and written["large"] > 0
-            run = llm.last_run
-            assert run is not None and sum(run.tokens_per_model.values()) == 10 * batch
-            assert (run.handoffs > 0) == (written["large"] > 0)
+    for batch in (1, 4, 16):
+        prompts = prompts_of([3 + (7 * i) % 29 for i in range(batch)], seed=100 + batch)
+        outs = routed.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120,
+                               routing={"p": p})
+        written = {"small": 0, "large": 0}
+        checked = 0
+        for prompt, out in zip(prompts, outs):
+            c = out.outputs[0]
+            assert len(c.token_ids) == 10 and c.finish_reason == "length"
+            assert c.token_models is not None and len(c.token_models) == 10
+            checked += check_exact(hf_pair, prompt, c.token_ids, c.token_models)
+            for m in c.token_models:
+                written[m] += 1
+        assert checked >= 9 * batch
+        if p == 0.0:
+            assert written["large"] == 0
+        elif p == 1.0:
+            assert written["small"] == 0  # every small token is dropped and rewritten
+        elif p == 0.5 and batch == 16:
+            assert written["small"] > 0 and written["large"] > 0
+        run = routed.last_run
+        assert run is not None and sum(run.tokens_per_model.values()) == 10 * batch
+        assert (run.handoffs > 0) == (written["large"] > 0)
 
 
 def test_p0_is_the_small_model_alone_and_p1_the_large(pair_paths):
@@ -71,12 +78,11 @@ def test_p0_is_the_small_model_alone_and_p1_the_large(pair_paths):
         assert [o.outputs[0].token_ids for o in outs] == alone[name]
 
 
-def test_seeded_sampling_is_reproducible_across_models(pair_paths):
+def test_seeded_sampling_is_reproducible_across_models(routed):
     prompts = prompts_of([6, 11, 17], seed=8)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=42, ignore_eos=True)
-    with RoutedLLM(group(pair_paths, 0.3)) as llm:
-        first = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
-        again = llm.generate(prompt_token_ids=prompts[::-1], sampling_params=params, use_tqdm=False, timeout=120)
+    first = routed.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
+    again = routed.generate(prompt_token_ids=prompts[::-1], sampling_params=params, use_tqdm=False, timeout=120)
     a = [(o.outputs[0].token_ids, o.outputs[0].token_models) for o in first]
     b = [(o.outputs[0].token_ids, o.outputs[0].token_models) for o in again][::-1]
     assert a == b
