@@ -108,4 +108,11 @@ def test_cli_runtime_options(capsys):
     rt = Overheads(handoff=0.001, s_overhead=0.0007, l_token=0.0002)
     expected = list(throughput_curve(4, 0.1, LAT_S, LAT_L, 1.0, overheads=rt))
     assert out["rows"][0]["throughput"] == pytest.approx(expected)
+    # a measured catch-up per visit (3 tokens, not the geometric 9) plans a cheaper L
+    assert main(["--n", "4", "--p", "0.1", "--lat-s", "0.012", "--lat-l", "0.026,0.0004", "--alpha", "1",
+                 "--token-l", "0.0002", "--catchup", "3", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    short = list(throughput_curve(4, 0.1, LAT_S, LAT_L, 1.0, overheads=Overheads(l_token=0.0002, catchup=3.0)))
+    assert out["overheads"]["catchup"] == 3.0 and out["rows"][0]["throughput"] == pytest.approx(short)
+    assert short[0] > throughput_curve(4, 0.1, LAT_S, LAT_L, 1.0, overheads=Overheads(l_token=0.0002))[0]
     assert main(["--n", "4", "--p", "0.1", "--r", "4", "--continuous", "--method", "full"]) == 2

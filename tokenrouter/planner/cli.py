@@ -97,6 +97,9 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     rt.add_argument("--token-l", type=float, default=None,
                     help="seconds per catch-up token L feeds for a hand-off ((1 - p) / p of them per request)")
     rt.add_argument("--token-s", type=float, default=None, help="the same for S (spans returned by L)")
+    rt.add_argument("--catchup", type=float, default=None,
+                    help="tokens beyond one a request brings to L per visit, as measured (default: the "
+                         "geometric (1 - p) / p; requests that end cut runs short of it)")
     p.add_argument("--alpha", default="0",
                    help="interference in [0, 1]: 0 separate devices, 1 serialised on one device; a list "
                         "sweeps (default 0)")
@@ -148,7 +151,7 @@ def _full_check(row, lat_s, lat_l) -> list[float]:
 
 def _overheads(args) -> Overheads | None:
     vals = {"handoff": args.handoff, "s_overhead": args.overhead_s, "l_overhead": args.overhead_l,
-            "l_token": args.token_l, "s_token": args.token_s}
+            "l_token": args.token_l, "s_token": args.token_s, "catchup": args.catchup}
     if not args.continuous and all(v is None for v in vals.values()):
         return None
     return Overheads(**{k: v for k, v in vals.items() if v is not None})
