@@ -1,5 +1,6 @@
 """Throughput against concurrency on the latency-model executor at paper scale: the routed
-runtime with the planner's thresholds, and the step-synchronous baseline, from 1 to 64 requests.
+runtime with the planner's thresholds, and the step-synchronous baseline, from 1 to 64 requests
+(or any list), with each point's share of the zero-wait bound (tokenrouter/planner/chain.py).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/scaling.py --profile profiles/paper_qwen3_0.6b_32b_a100.json
 """
@@ -17,7 +18,7 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.models.random_model import build_random_model
-from tokenrouter.planner import best_thresholds
+from tokenrouter.planner import best_thresholds, zero_wait_bound
 from tokenrouter.runtime.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -50,7 +51,10 @@ def main() -> int:
         for n in args.concurrency:
             prompts = [[1 + (i % 200), 2, 3, 4] for i in range(2 * n)]
             ours = closed_loop(entry, n, table[n], prompts, params)
-            row = {"n": n, "B": table[n], "tokenrouter": ours.throughput, "tokenrouter_per_user": ours.mean_per_user}
+            bound = zero_wait_bound(n, args.p, lambda b: profile.models["small"](b, b),
+                                    lambda b: profile.models["large"](b, b))
+            row = {"n": n, "B": table[n], "tokenrouter": ours.throughput, "tokenrouter_per_user": ours.mean_per_user,
+                   "zero_wait_bound": bound, "share_of_bound": ours.throughput / bound}
             if not args.no_sync:
                 sync = run_sync(path, profile, args.p, n, prompts, params)
                 row["step_sync"] = sync.throughput
@@ -62,7 +66,8 @@ def main() -> int:
     first = rows[0]
     for r in rows[1:]:
         print(f"N={r['n']:3d}: tokenrouter x{r['tokenrouter'] / first['tokenrouter']:.2f} throughput, keeps "
-              f"{100 * r['tokenrouter_per_user'] / first['tokenrouter_per_user']:.1f}% of per-user speed"
+              f"{100 * r['tokenrouter_per_user'] / first['tokenrouter_per_user']:.1f}% of per-user speed, "
+              f"{100 * r['share_of_bound']:.1f}% of the zero-wait bound"
               + (f"; step-sync x{r['step_sync'] / first['step_sync']:.2f}" if "step_sync" in r else ""))
     if args.out:
         with open(args.out, "a") as f:
