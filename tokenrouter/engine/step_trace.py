@@ -4,9 +4,8 @@ With TOKENROUTER_STEP_TRACE=DIR in the environment, every `LatencyModelRunner` s
 a real model whose engine knows its index in the group (`Engine(trace_index=...)`, as a subserver's
 does), appends one JSON line to DIR/<pid>.jsonl: [model index, start, end, request ids, extend
 lengths], times from `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across the group's
-processes). An
-environment variable, because the subservers are spawned by the entry and inherit it, so tracing
-needs no change to the group config or the wire protocol.
+processes). An environment variable, because the subservers are spawned by the entry and inherit it,
+so tracing needs no change to the group config or the wire protocol.
 
 The runtime around the executor adds stage records to the same files (JSON objects, not lists):
 {"model": index, "start": t, "stages": {stage: seconds}}, one per step, written by the subserver

@@ -7,8 +7,8 @@ the latency-model executor (benchmarks/ablation.py --calibrate, from tokenrouter
   must feed before it samples; with geometric gaps that is (1 - p) / p tokens beyond one per
   request (only for the first token of a span: continuations bring none), each costing the
   profile's per-token latency; `catchup` replaces it with a measured mean (runs cut by a
-  request's end never reach L, so the runs that do are shorter than the fitted 1 / p says). S gets back a span of L's tokens, m_L - 1 beyond one, for the
-  share p of its batch that just returned.
+  request's end never reach L, so the runs that do are shorter than the fitted 1 / p says). S gets
+  back a span of L's tokens, m_L - 1 beyond one, for the share p of its batch that just returned.
 - a per-step overhead of each model (scheduling, routing, sending tokens and hand-offs, draining
   the inbox): time between two steps of a model that has work;
 - the hand-off latency: from the end of the S step that hands a request off to the start of the L
@@ -38,21 +38,18 @@ class Overheads:
     catchup: float | None = None
 
     def __post_init__(self) -> None:
-        for name, v in self.__dict__.items():
-            if name == "catchup" and v is None:
-                continue
-            if not v >= 0.0:
-                unit = "tokens" if name == "catchup" else "seconds"
-                raise ValueError(f"runtime {name} must be >= 0 {unit}, got {v}")
+        for name in ("s_token", "l_token", "s_overhead", "l_overhead", "handoff"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"runtime {name} must be >= 0 seconds, got {getattr(self, name)}")
+        if self.catchup is not None and not self.catchup >= 0.0:
+            raise ValueError(f"runtime catchup must be >= 0 tokens, got {self.catchup}")
 
     def step_latencies(self, lat_s: LatencyLike, lat_l: LatencyLike, p: float,
                        q_l: float = 0.0) -> tuple[LatencyModel, LatencyModel]:
         """(t_S(b), t_L(b)) as the runtime sees them: profile latency + catch-up tokens + overhead."""
         s, lat = as_latency(lat_s), as_latency(lat_l)
-        if self.catchup is not None:
-            l_extra = self.catchup
-        else:
-            l_extra = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
+        geometric = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
+        l_extra = geometric if self.catchup is None else self.catchup
         s_extra = p * q_l / (1.0 - q_l)
         s_eff = Function(lambda b: s(b) + self.s_overhead + self.s_token * s_extra * b)
         l_eff = Function(lambda b: lat(b) + self.l_overhead + self.l_token * l_extra * b)
