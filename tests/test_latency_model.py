@@ -111,7 +111,7 @@ def test_planner_measures_latencies_at_start_up(pair_paths):
     with RoutedLLM(cfg) as llm:
         assert all(r.latency is not None and r.latency["table"] for r in llm.entry.info.values())
         assert set(llm.entry.planner.table) == set(range(1, 9))
-        out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=5),
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=5, ignore_eos=True),
                            use_tqdm=False, timeout=60)
         assert len(out[0].outputs[0].token_ids) == 5
 
