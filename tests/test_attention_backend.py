@@ -1,10 +1,12 @@
-"""The default torch attention backend matches the reference SDPA backend on random paged batches."""
+"""The default torch attention backend, with and without its paged kernel, matches the reference SDPA
+backend on random paged batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tokenrouter.models.attention import paged_decode_kernel
 from tokenrouter.models.attention.reference_backend import ReferenceAttentionBackend
 from tokenrouter.models.attention.registry import make_backend
 from tokenrouter.models.attention.torch_backend import TorchAttentionBackend
@@ -88,18 +90,77 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("kernel", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 3)])
-def test_matches_reference(case, heads, kv_heads):
+def test_matches_reference(case, heads, kv_heads, kernel):
     prefix, extend = CASES[case]
-    for ref, new in run_both(prefix, extend, heads, kv_heads):
+    for ref, new in run_both(prefix, extend, heads, kv_heads, kernel=kernel):
         assert (ref - new).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_kernel_head_sizes_and_long_contexts(head_dim):
+    """The kernel's unrolled head sizes (64, 128) and its general loop, over contexts of many pages."""
+    prefix, extend = [0, 130, 61, 200], [1, 1, 8, 1]
+    for ref, new in run_both(prefix, extend, 9, 3, head_dim=head_dim, seed=4, kernel=True):
+        assert (ref - new).abs().max().item() <= TOL
+
+
+def test_kernel_rows_do_not_depend_on_the_batch():
+    """A query row's output is bit-identical whether it shares the kernel's call with others or not."""
+    prefix, extend = [5, 40, 17], [1, 3, 1]
+    gen = torch.Generator().manual_seed(6)
+    pool = KVPool(40, PAGE, 1, 2, 16, torch.float32, torch.device("cpu"))
+    pool.k.normal_(generator=gen)
+    pool.v.normal_(generator=gen)
+    backend = TorchAttentionBackend(pool, 8, 2, 16, kernel=True)
+    batch = make_batch(prefix, extend, 40, gen)
+    q = torch.randn(batch.num_tokens, 8, 16, generator=gen)
+    k = torch.randn(batch.num_tokens, 2, 16, generator=gen)
+    v = torch.randn(batch.num_tokens, 2, 16, generator=gen)
+    backend.plan(batch)
+    full = backend.forward(0, q, k, v)
+    for i in range(3):
+        a = sum(extend[:i])
+        rows = slice(a, a + extend[i])
+        one = ForwardBatch(batch.input_ids[rows], batch.positions[rows], batch.out_slots[rows],
+                           batch.page_table[i:i + 1], batch.prefix_lens[i:i + 1], batch.extend_lens[i:i + 1],
+                           torch.tensor([extend[i] - 1]), [prefix[i]], [extend[i]], PAGE)
+        backend.plan(one)
+        assert torch.equal(backend.forward(0, q[rows], k[rows], v[rows]), full[rows])
+
+
+def test_kernel_leaves_the_process_float_mode_alone():
+    """Loading the -ffast-math library must not turn on flush-to-zero for the whole process."""
+    assert paged_decode_kernel.load_kernel() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0 and (tiny + tiny).item() != 0.0
+
+
+def test_without_a_compiler_the_gather_path_serves(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
+    paged_decode_kernel.load_kernel.cache_clear()
+    try:
+        pool = KVPool(8, PAGE, 1, 2, 16, torch.float32, torch.device("cpu"))
+        assert TorchAttentionBackend(pool, 4, 2, 16).kernel is None
+        assert "no C compiler" in caplog.text
+        with pytest.raises(RuntimeError, match="could not be built"):
+            TorchAttentionBackend(pool, 4, 2, 16, kernel=True)
+    finally:
+        paged_decode_kernel.load_kernel.cache_clear()
+    bf16 = KVPool(8, PAGE, 1, 2, 16, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="float32 CPU pool"):
+        TorchAttentionBackend(bf16, 4, 2, 16, kernel=True)
 
 
 @pytest.mark.parametrize("kw", [dict(decode_chunk_bytes=1), dict(decode_chunk_bytes=3 * 22 * 16 * 4),
                                 dict(bmm_decode=False)])
 def test_decode_variants_match_reference(kw):
-    """Chunks of one row, chunks of 3 rows (splitting a request's 2 KV heads), and the SDPA decode path (CUDA's)."""
+    """Chunks of one row, chunks of 3 rows (splitting a request's 2 KV heads), and the SDPA decode path
+    (CUDA's), with the kernel off (it would take the decodes)."""
+    kw = {**kw, "kernel": False}
     prefix, extend = CASES["mixed"]
     for ref, new in run_both(prefix, extend, 8, 2, seed=1, **kw):
         assert (ref - new).abs().max().item() <= TOL

@@ -210,14 +210,15 @@ def test_threshold_grid_spreads_around_the_calibrated_value():
 # ---- the reduced prepare, serving it, evaluating it ----------------------------------------------
 @pytest.fixture(scope="module")
 def quick_pair(tmp_path_factory, smollm2_gguf):
-    from tokenrouter.training import default_model, prepare
+    from tokenrouter.cache_dir import cache_dir
+    from tokenrouter.training import prepare
 
     cache = tmp_path_factory.mktemp("cache")
     mp = pytest.MonkeyPatch()
     mp.setenv("TOKENROUTER_CACHE", str(cache))
     try:
         pair = prepare.prepare(prepare.quick_settings(), progress=False, log=lambda m: None, threads=1)
-        assert default_model.cache_dir() == cache
+        assert cache_dir() == cache
         yield cache, pair
     finally:
         mp.undo()

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from tokenrouter.cache_dir import cache_dir
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.step_outputs import StepOutputSpec, StepTensors, step_tensors
 from tokenrouter.models.attention.static_decode import DecodeInputs, StaticDecodeAttention, decode_inputs
@@ -54,9 +55,7 @@ def batch_buckets(max_bs: int) -> list[int]:
 
 
 def inductor_cache_dir() -> Path:
-    # The project's cache folder, by the rule of tokenrouter/training/default_model.py's cache_dir.
-    root = os.environ.get("TOKENROUTER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenrouter")
-    return Path(root) / "inductor"
+    return cache_dir() / "inductor"
 
 
 def _run_layer(layer: DecoderLayer, x: torch.Tensor, rope: Rope, attn: StaticDecodeAttention) -> torch.Tensor:

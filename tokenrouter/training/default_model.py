@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from tokenrouter.cache_dir import cache_dir
+
 DEFAULT_MODEL_NAME = "default-random-llama-v2"
 SMOLLM2_NAME = "smollm2-135m-instruct-v1"
 RANDOM_WEIGHTS_WARNING = (
@@ -34,11 +36,6 @@ SMOLLM2_NOTE = (
 class DefaultModel(NamedTuple):
     path: Path
     note: str  # what to tell the user about it
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("TOKENROUTER_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenrouter")
-    return Path(root)
 
 
 def default_model() -> DefaultModel:

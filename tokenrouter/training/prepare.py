@@ -34,10 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tokenrouter.cache_dir import cache_dir
 from tokenrouter.routing import algorithm_class
 from tokenrouter.training import arith, champ, large_answers
 from tokenrouter.training.champ import chat_prompts
-from tokenrouter.training.default_model import SMOLLM2_NAME, cache_dir, ensure_smollm2
+from tokenrouter.training.default_model import SMOLLM2_NAME, ensure_smollm2
 from tokenrouter.training.evaluation.tasks import task
 from tokenrouter.training.gguf_convert import smollm2_gguf_path
 from tokenrouter.training.large_answers import Exchange

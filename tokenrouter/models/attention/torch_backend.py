@@ -1,4 +1,11 @@
-"""Pure PyTorch paged attention, tuned for the CPU; runs on CUDA as well.
+"""Paged attention tuned for the CPU, pure PyTorch but for one native kernel; runs on CUDA as well.
+
+On CPU with a float32 pool and one torch thread, every request that extends by at most
+`KERNEL_MAX_EXTEND` tokens (decodes, short catch-ups) goes to the paged kernel
+(paged_decode_kernel.py): one call per layer, each query row reading its request's pages in place.
+Everything else, and everything when the kernel is off or cannot be built, takes the pure PyTorch
+paths below. The kernel is single-threaded, so with more torch threads the PyTorch paths, which
+use them, are kept.
 
 Requests are split into up to three groups, each attended in padded calls:
 
@@ -28,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenrouter.models.attention.backend import AttentionBackend
+from tokenrouter.models.attention.paged_decode_kernel import PagedDecodeKernel, load_kernel
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.kv_pool import KVPool
 
@@ -35,6 +43,18 @@ from tokenrouter.models.kv_pool import KVPool
 # batch 64, 4 KV heads x 64: chunks of 1-2 MiB were fastest at contexts 165 and 1000; one chunk of
 # the whole batch was 1.4x (context 165) to 4x (context 1000) slower, the K/V copies falling out of cache.
 CPU_DECODE_CHUNK_BYTES = 3 << 19  # 1.5 MiB
+# Requests extending by at most this many tokens go to the paged kernel, one query row each.
+KERNEL_MAX_EXTEND = 8
+
+
+class _KernelRows(NamedTuple):
+    """The query rows the paged kernel attends: one entry per row."""
+
+    reqs: torch.Tensor  # [N] the row's request in the batch (its row of the page table)
+    rows: torch.Tensor  # [N] the row in the flat batch
+    lens: torch.Tensor  # [N] keys it attends (its position + 1)
+    page_table: torch.Tensor  # the batch's page table, contiguous
+    whole: bool  # the rows are the whole batch
 
 
 class _Decode(NamedTuple):
@@ -62,12 +82,22 @@ class _Extend(NamedTuple):
 
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
-                 bmm_decode: bool | None = None, decode_chunk_bytes: int | None = None) -> None:
+                 bmm_decode: bool | None = None, decode_chunk_bytes: int | None = None,
+                 kernel: bool | None = None) -> None:
         """`bmm_decode`: decodes by gather + bmm (default: on CPU) instead of SDPA.
         `decode_chunk_bytes`: gathered K per decode chunk (default: `CPU_DECODE_CHUNK_BYTES` on CPU,
-        no chunking elsewhere)."""
+        no chunking elsewhere). `kernel`: short extends on the paged kernel (default: on CPU with a
+        float32 pool and one torch thread, when the kernel builds); True where it cannot run is an error."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
         on_cpu = pool.k.device.type == "cpu"
+        fits = on_cpu and pool.k.dtype == torch.float32
+        self.kernel: PagedDecodeKernel | None = None
+        if kernel or (kernel is None and fits and torch.get_num_threads() == 1):
+            if not fits:
+                raise ValueError(f"the paged kernel runs on a float32 CPU pool, not {pool.k.dtype} on {pool.k.device}")
+            self.kernel = load_kernel()
+            if kernel and self.kernel is None:
+                raise RuntimeError("the paged kernel could not be built (see the log)")
         self.bmm_decode = on_cpu if bmm_decode is None else bmm_decode
         if decode_chunk_bytes is None:
             decode_chunk_bytes = CPU_DECODE_CHUNK_BYTES if on_cpu else 1 << 62
@@ -80,10 +110,16 @@ class TorchAttentionBackend(AttentionBackend):
         self._out_slots = batch.out_slots
         self._decode: _Decode | None = None
         self._extends: list[_Extend] = []
+        self._kernel_rows: _KernelRows | None = None
         ext_l, pre_l = batch.extend_lens_list, batch.prefix_lens_list
+        if self.kernel is not None:
+            short = [i for i, e in enumerate(ext_l) if e <= KERNEL_MAX_EXTEND]
+            if short:
+                self._kernel_rows = self._plan_kernel(batch, short)
+            ext_l = [0 if e <= KERNEL_MAX_EXTEND else e for e in ext_l]  # 0: taken by the kernel
         dec = [i for i, e in enumerate(ext_l) if e == 1]
-        fresh = [i for i, e in enumerate(ext_l) if e != 1 and pre_l[i] == 0]
-        cont = [i for i, e in enumerate(ext_l) if e != 1 and pre_l[i] > 0]
+        fresh = [i for i, e in enumerate(ext_l) if e > 1 and pre_l[i] == 0]
+        cont = [i for i, e in enumerate(ext_l) if e > 1 and pre_l[i] > 0]
         ext = batch.extend_lens
         starts = torch.cumsum(ext, 0) - ext
         if dec and self.bmm_decode:
@@ -94,6 +130,20 @@ class TorchAttentionBackend(AttentionBackend):
             self._extends.append(self._plan_extend(batch, fresh, starts, causal=True))
         if cont:
             self._extends.append(self._plan_extend(batch, cont, starts, causal=False))
+
+    @staticmethod
+    def _plan_kernel(batch: ForwardBatch, sel: list[int]) -> _KernelRows:
+        ext_l, pre_l = batch.extend_lens_list, batch.prefix_lens_list
+        starts = [0]
+        for e in ext_l:
+            starts.append(starts[-1] + e)
+        reqs = [i for i in sel for _ in range(ext_l[i])]
+        rows = [starts[i] + j for i in sel for j in range(ext_l[i])]
+        lens = [pre_l[i] + j + 1 for i in sel for j in range(ext_l[i])]
+        table = batch.page_table.contiguous()
+        assert table.dtype == torch.int64, "the kernel reads an int64 page table"
+        return _KernelRows(torch.tensor(reqs), torch.tensor(rows), torch.tensor(lens), table,
+                           len(rows) == batch.num_tokens)
 
     def _plan_decode(self, batch: ForwardBatch, sel: list[int], starts: torch.Tensor) -> _Decode:
         dev = batch.extend_lens.device
@@ -163,7 +213,14 @@ class TorchAttentionBackend(AttentionBackend):
         vc.index_copy_(0, slots, v)
         if self._decode is not None and self._decode.rows is None:
             return self._forward_decode(self._decode, q, kc, vc, None)
-        out = torch.empty_like(q)
+        kr = self._kernel_rows
+        out = torch.empty(q.shape, dtype=q.dtype) if kr is not None else torch.empty_like(q)
+        if kr is not None:
+            assert self.kernel is not None
+            self.kernel(q.contiguous(), kc, vc, kr.page_table, kr.reqs, kr.rows, kr.lens, self.pool.page_size,
+                        self.scale, out)
+            if kr.whole:
+                return out
         if self._decode is not None:
             self._forward_decode(self._decode, q, kc, vc, out)
         for g in self._extends:
