@@ -9,7 +9,8 @@ and context S:
    bytes (the floor a kernel reading K once would approach), and baddbmm + softmax + bmm on
    already-gathered keys;
 2. whole decode attention per step (`plan` + `forward` of 30 layers): the engine's backend
-   (tokenrouter/models/attention/torch_backend.py) against page-granular gathers followed by one
+   (tokenrouter/models/attention/torch_backend.py), on its gather path and on its paged kernel
+   (tokenrouter/models/attention/paged_decode.c), against page-granular gathers followed by one
    SDPA call, and followed by per-KV-head strided bmm; with --inductor also a torch.compile'd
    gather-and-reduce (dynamic shapes; compiles for about 20 s first).
 
@@ -103,14 +104,16 @@ def whole(b: int, s: int, pool: KVPool, gen: torch.Generator, inductor: bool) ->
     mask = torch.arange(n_pages * PAGE)[None, :] < (batch.prefix_lens + 1)[:, None]
     qs = [torch.randn(b, HEADS, DIM, generator=gen) for _ in range(LAYERS)]
     kvs = [torch.randn(b, KV_HEADS, DIM, generator=gen) for _ in range(LAYERS)]
-    backend = TorchAttentionBackend(pool, HEADS, KV_HEADS, DIM)
+    backend = TorchAttentionBackend(pool, HEADS, KV_HEADS, DIM, kernel=False)
+    kernel = TorchAttentionBackend(pool, HEADS, KV_HEADS, DIM, kernel=True)
 
-    def engine() -> list[torch.Tensor]:
-        backend.plan(batch)
-        return [backend.forward(i, qs[i], kvs[i], kvs[i]) for i in range(LAYERS)]
+    def engine(be: TorchAttentionBackend = backend) -> list[torch.Tensor]:
+        be.plan(batch)
+        return [be.forward(i, qs[i], kvs[i], kvs[i]) for i in range(LAYERS)]
 
     variants: dict[str, Callable[[], list[torch.Tensor]]] = {
-        "the engine's backend": engine,
+        "the backend's gather path": engine,
+        "the backend's paged kernel": lambda: engine(kernel),
         "page gathers + one SDPA": lambda: [page_sdpa(pool, i, qs[i], pages, mask) for i in range(LAYERS)],
         "page gathers + strided bmm per KV head": lambda: [page_bmm(pool, i, qs[i], pages, mask)
                                                            for i in range(LAYERS)],
