@@ -20,6 +20,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One op: the same products in the same order as normalising, then scaling (bit-identical).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         # Normalise in float32 as the reference does, whatever the model dtype.
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
 
@@ -44,7 +47,9 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> to
     return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) of each row's position, [T, 1, head_dim / 2]
+# Each row's position's angles as [T, 1, head_dim]: (cos | cos, -sin | sin), so that a rotation is
+# x * cos + swap_halves(x) * sin, the reference's x1 cos - x2 sin and x2 cos + x1 sin term for term.
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class RotaryEmbedding(nn.Module):
@@ -60,16 +65,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def angles(self, positions: torch.Tensor) -> Rope:
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
 def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """x [T, heads, head_dim] rotated by its row's angles (computed in float32, returned in x's dtype).
     Any number of heads: a layer rotates q and k as one tensor, halving the element-wise calls."""
     cos, sin = rope
-    x1, x2 = x.float().chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class GatedMLP(nn.Module):
