@@ -1,5 +1,5 @@
-"""The CPU paged attention kernel for single query rows (paged_decode.c), built on first use with
-the machine's C compiler and called through ctypes.
+"""The CPU paged attention kernel for decodes and short extends (paged_decode.c), built on first use
+with the machine's C compiler and called through ctypes.
 
 Why it exists: PyTorch ships no paged attention for CPU, and the pure PyTorch decode path
 (torch_backend.py) first gathers every key and value row into a padded copy, which on this

@@ -43,8 +43,10 @@ from tokenrouter.models.kv_pool import KVPool
 # batch 64, 4 KV heads x 64: chunks of 1-2 MiB were fastest at contexts 165 and 1000; one chunk of
 # the whole batch was 1.4x (context 165) to 4x (context 1000) slower, the K/V copies falling out of cache.
 CPU_DECODE_CHUNK_BYTES = 3 << 19  # 1.5 MiB
-# Requests extending by at most this many tokens go to the paged kernel, one query row each.
-KERNEL_MAX_EXTEND = 8
+# Requests extending by at most this many tokens go to the paged kernel. Measured on SmolLM2's
+# shapes, 8 requests over 150 cached tokens (30 layers): the kernel 1.9x the gather path at 1 and 2
+# new tokens, 1.3-1.6x at 4, 1.0-1.1x at 8, 0.6-0.7x at 16-32, where SDPA's matrix products win.
+KERNEL_MAX_EXTEND = 4
 
 
 class _KernelRows(NamedTuple):
