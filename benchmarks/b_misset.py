@@ -167,8 +167,10 @@ def drift(args, path: str, profile: LatencyProfile) -> int:
             res = run_closed_loop(entry, prompts, params, concurrency=n, seed=1, routings=routings)
             ctl = entry.planner
             rows[f"planner, window {window or 'none'}"] = res.throughput
+            catchup = "none measured" if ctl.catchup is None else f"{ctl.catchup:.2f} tokens a visit"
             print(f"online planner (window {window or 'none'}): {res.throughput:.1f} tok/s; final estimate "
-                  f"p = {ctl.estimate[0]:.3f}, table {ctl.table}", flush=True)
+                  f"p = {ctl.estimate[0]:.3f}, catch-up {catchup} (planned with {ctl.catchup_planned}), "
+                  f"table {ctl.table}", flush=True)
         finally:
             entry.close()
     best = max((v, k) for k, v in rows.items() if not k.startswith("planner"))

@@ -100,6 +100,17 @@ def test_planner_policy_sets_the_large_models_thresholds(model_paths):
         assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
         p, q = planner.estimate
         assert 0.1 < p < 0.3 and q < 0.5  # the measured routing probability is near the router's 0.2
+        # The catch-up per visit of the large model: the small model's tokens since the large model's
+        # last one, over the runs that reached it (read off the outputs' writers).
+        runs = []
+        for o in outs:
+            prev, run = None, 0
+            for model in o.outputs[0].token_models:
+                if model == "large" and prev != "large":
+                    runs.append(run)
+                run = 0 if model == "large" else run + 1
+                prev = model
+        assert len(runs) >= planner.min_visits and planner.catchup == pytest.approx(sum(runs) / len(runs))
     with pytest.raises(ValueError, match="two models"):
         GroupConfig.from_dict({**cfg, "models": cfg["models"] + [{"name": "third", "path": "x"}]})
 

@@ -4,11 +4,16 @@ inter-token latencies (tokenrouter/planner/sim.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import numpy as np
 import pytest
 
 from tokenrouter.engine.step_trace import Step, latency_ratio, send_runs, visit_runs
 from tokenrouter.planner import Overheads, throughput_curve
+from tokenrouter.planner.chain import best_thresholds
+from tokenrouter.planner.controller import PlannerController
 from tokenrouter.planner.gaps import fit_runs, hazard
 from tokenrouter.planner.sim import simulate
 
@@ -102,8 +107,6 @@ def test_slo_threshold_trades_throughput_for_the_p99_bound():
 
 
 def test_controller_window_forgets_a_share_that_changed():
-    from tokenrouter.planner.controller import PlannerController
-
     def feed(ctl, p, tokens):
         rng = np.random.default_rng(0)
         prev = None
@@ -127,3 +130,40 @@ def test_controller_window_forgets_a_share_that_changed():
     finally:
         cumulative.close()
         windowed.close()
+
+
+def test_controller_measures_the_catch_up_of_runs_that_reached_the_large_model():
+    """The catch-up a visit brings is the small model's run before it; runs a request's end cut never
+    reach the large model and must not count (a geometric gap of the same p would say more)."""
+    ov = Overheads(s_token=0.0005, l_token=0.004)
+    ctl = PlannerController("small", "large", lat_s=0.012, lat_l=0.03, alpha=1.0, n_max=8, p0=0.2,
+                            min_tokens=1, min_interval=0.0, overheads=ov, window=None)
+    try:
+        sent_runs = []
+        rng = np.random.default_rng(1)
+        for _ in range(40):  # requests: runs of 1-4 small tokens, each ended by a large token, then a cut run
+            prev, run = None, 0
+            for _ in range(int(rng.integers(1, 5))):
+                r = int(rng.integers(1, 5))
+                for _ in range(r):
+                    ctl.observe(prev, "small", run)
+                    prev, run = "small", run + 1
+                ctl.observe(prev, "large", run)
+                sent_runs.append(run)
+                prev, run = "large", 0
+            for _ in range(30):  # the request's end cuts this run: it never reaches the large model
+                ctl.observe(prev, "small", run)
+                prev, run = "small", run + 1
+        assert ctl.catchup == pytest.approx(np.mean(sent_runs))
+        assert ctl.catchup < (1 - ctl.estimate[0]) / ctl.estimate[0]  # below the geometric gap's mean
+        deadline = time.monotonic() + 30
+        while ctl.catchup_planned is None and time.monotonic() < deadline:
+            ctl.poll()
+            time.sleep(0.01)
+        assert ctl.catchup_planned == pytest.approx(np.mean(sent_runs))
+        p = ctl.p_planned
+        want = best_thresholds(8, p, 0.012, 0.03, 1.0, min_gain=0.01,
+                               overheads=dataclasses.replace(ov, catchup=ctl.catchup_planned))
+        assert ctl.table == want
+    finally:
+        ctl.close()

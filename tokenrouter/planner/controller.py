@@ -4,10 +4,19 @@ re-planned as the routing probability measured on live traffic drifts.
 The small model launches eagerly and only the large model waits for B requests, so thresholds are
 deadlock free for any B <= n (see launch_policy). Re-planning runs in a worker thread so the entry
 loop never blocks on the solver.
+
+With `overheads` (the per-token costs of each model; tokenrouter/runtime/launch_planner.py gives the
+step latencies' prefill slopes) the controller re-plans with the continuous-time chain and the
+catch-up it measures, once it has seen enough visits: the tokens the small model wrote between two
+of the large model's visits, counted only over runs that did reach the large model. Runs cut by a
+request's end never do, so on real routers the catch-up is below what a geometric gap of the same p
+implies (docs/BENCHMARKS.md, "Real send patterns": the chain with it within 5 % at 8 of 9 points,
+the geometric one 16-34 % low for Co-LLM).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,9 +33,14 @@ Latency = Callable[[int], float]
 class PlannerController:
     def __init__(self, small: str, large: str, lat_s: Latency, lat_l: Latency, alpha: float, n_max: int,
                  p0: float = 0.1, min_tokens: int = 500, min_interval: float = 5.0, tolerance: float = 0.2,
-                 overheads: Overheads | None = None, window: int | None = 2000) -> None:
+                 overheads: Overheads | None = None, window: int | None = 2000, min_visits: int = 20) -> None:
+        """`overheads`: once `min_visits` visits of the large model were seen, re-plan with the
+        continuous-time chain on them and the measured catch-up (spans then planned as one-token
+        visits). Until then, and without `overheads`, the step-aligned chain (fast: the first table is
+        solved here, at start-up)."""
         self.small, self.large = small, large
-        self.overheads = overheads  # given: plan with the continuous-time chain (spans then fall back to none)
+        self.overheads = overheads
+        self.min_visits = min_visits
         self.lat_s, self.lat_l = lat_s, lat_l
         self.alpha, self.n_max = alpha, n_max
         self.min_tokens, self.min_interval, self.tolerance = min_tokens, min_interval, tolerance
@@ -38,29 +52,40 @@ class PlannerController:
         self.window = window
         self._since_decay = 0
         self.seen = 0  # tokens observed since the start (never decayed)
-        self.small_tokens = self.large_tokens = self.visits = 0
-        self.p_planned, self.q_planned = p0, 0.0
-        self.table = self._solve(p0, 0.0)
+        self.small_tokens = self.large_tokens = self.visits = 0.0
+        self.caught_up = 0.0  # tokens the large model caught up on, over the visits counted in `visits`
+        self.p_planned, self.q_planned, self.catchup_planned = p0, 0.0, None
+        self.table = self._solve(p0, 0.0, None)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         self._pending: Future[dict[int, int]] | None = None
-        self._pending_pq = (p0, 0.0)
+        self._pending_at = (p0, 0.0, None)
         self._last = time.monotonic()
 
-    def _solve(self, p: float, q_l: float) -> dict[int, int]:
+    def _solve(self, p: float, q_l: float, catchup: float | None) -> dict[int, int]:
         p = min(max(p, 1e-4), 1.0)
-        q_l = min(q_l, 0.99) if self.overheads is None else 0.0  # the continuous chain has one-token visits
-        table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, q_l=q_l, min_gain=0.01,
-                                overheads=self.overheads)
+        if self.overheads is not None and catchup is not None:
+            ov = dataclasses.replace(self.overheads, catchup=catchup)
+            try:  # the continuous chain has one-token visits
+                table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, min_gain=0.01, overheads=ov)
+                logger.info("planner: p=%.3f catch-up %.2f alpha=%.2f -> B(n) %s", p, catchup, self.alpha, table)
+                return table
+            except ValueError as e:  # past the continuous chain's limits: the step-aligned chain serves
+                logger.warning("planner: %s; planning with the step-aligned chain", e)
+        q_l = min(q_l, 0.99)
+        table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, q_l=q_l, min_gain=0.01)
         logger.info("planner: p=%.3f q_l=%.3f alpha=%.2f -> B(n) %s", p, q_l, self.alpha, table)
         return table
 
-    def observe(self, prev: str | None, model: str) -> None:
-        """One committed token written by `model`, after one written by `prev` (None: the first)."""
+    def observe(self, prev: str | None, model: str, run: int = 0) -> None:
+        """One committed token written by `model`, after one written by `prev` (None: the first);
+        `run`: the tokens of the same request before this one since the large model last wrote one (or
+        since its first), which a visit of the large model catches up on."""
         self.seen += 1
         if model == self.large:
             self.large_tokens += 1
             if prev != self.large:
                 self.visits += 1
+                self.caught_up += run
         else:
             self.small_tokens += 1
         if self.window is not None:
@@ -70,6 +95,12 @@ class PlannerController:
                 self.small_tokens /= 2
                 self.large_tokens /= 2
                 self.visits /= 2
+                self.caught_up /= 2
+
+    @property
+    def catchup(self) -> float | None:
+        """Mean tokens a visit of the large model caught up on; None before `min_visits` visits."""
+        return self.caught_up / self.visits if self.visits >= self.min_visits else None
 
     @property
     def estimate(self) -> tuple[float, float]:
@@ -83,7 +114,7 @@ class PlannerController:
         """A new table when a re-plan finished with a different one; starts re-plans as p drifts."""
         if self._pending is not None and self._pending.done():
             fut, self._pending = self._pending, None
-            self.p_planned, self.q_planned = self._pending_pq
+            self.p_planned, self.q_planned, self.catchup_planned = self._pending_at
             table = fut.result()
             if table != self.table:
                 self.table = table
@@ -93,10 +124,18 @@ class PlannerController:
             now = time.monotonic()
             p, q = self.estimate
             drift = abs(p - self.p_planned) / max(self.p_planned, 1e-3) + abs(q - self.q_planned)
+            c = self.catchup if self.overheads is not None else None
+            before = self.catchup_planned
+            if c is None:  # too few visits in the window: keep what was planned with
+                c = before
+            elif before is None:
+                drift += 1.0  # the first measured catch-up: re-plan with it
+            else:
+                drift += abs(c - before) / max(before, 1.0)
             if now - self._last >= self.min_interval and drift > self.tolerance:
                 self._last = now
-                self._pending_pq = (p, q)
-                self._pending = self._pool.submit(self._solve, p, q)
+                self._pending_at = (p, q, c)
+                self._pending = self._pool.submit(self._solve, p, q, c)
         return None
 
     def close(self) -> None:

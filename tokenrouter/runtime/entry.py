@@ -63,6 +63,7 @@ class EntryReq:
     admitted: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
     finish_time: float | None = None
+    since_large: int = 0  # tokens placed since the large model last wrote one (the launch planner's catch-up)
 
     @property
     def done(self) -> bool:
@@ -294,7 +295,8 @@ class Entry:
         if self.planner is not None:
             prev = out.tokens[placed - 1].model if placed else None
             for tok in new:
-                self.planner.observe(prev, tok.model)
+                self.planner.observe(prev, tok.model, req.since_large)
+                req.since_large = 0 if tok.model == self.planner.large else req.since_large + 1
                 prev = tok.model
         events.extend(new)
         if out.stop is not None:

@@ -1,5 +1,6 @@
 """The online launch planner of a two-model group (launch policy "planner"): the large model's
-launch thresholds B(n), planned from step latencies and the routing probability the entry observes."""
+launch thresholds B(n), planned from step latencies, the routing probability and the catch-up per
+visit that the entry observes."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Mapping
 
 from tokenrouter.engine.latency_model import StepLatency
 from tokenrouter.planner.controller import PlannerController
+from tokenrouter.planner.overheads import Overheads
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Ready
 
@@ -28,5 +30,7 @@ def make_planner(group: GroupConfig, info: Mapping[str, Ready]) -> PlannerContro
         else:
             raise ValueError(f"no step latency for {name!r}: give the planner a profile")
     n_max = launch.n_max or min(64, group.spec(small).engine.max_running_requests)
+    # Each model's cost per token beyond one, so the chain charges the catch-up the controller measures.
+    overheads = Overheads(s_token=lat[small].per_token, l_token=lat[large].per_token)
     return PlannerController(small, large, lambda b: lat[small](b, b), lambda b: lat[large](b, b),
-                             launch.alpha, n_max, p0=launch.p)
+                             launch.alpha, n_max, p0=launch.p, overheads=overheads)

@@ -87,7 +87,8 @@ def _build(cc: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-        for cmd in ([cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)], [cc, "-shared", str(obj), "-o", str(lib), "-lm"]):
+        compile_cmd = [cc, *COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(obj)]
+        for cmd in (compile_cmd, [cc, "-shared", str(obj), "-o", str(lib), "-lm"]):
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if run.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
