@@ -11,8 +11,9 @@ BACKENDS = ("torch", "torch-reference")
 
 
 def make_backend(name: str, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int) -> AttentionBackend:
-    """`torch`: the default, pure PyTorch, tuned for CPU (torch_backend.py). `torch-reference`: the
-    original simple SDPA version that the tests compare against (reference_backend.py)."""
+    """`torch`: the default, tuned for CPU (torch_backend.py: PyTorch, and on CPU the paged C kernel
+    of paged_decode.c for decodes and short extends). `torch-reference`: the original simple SDPA
+    version that the tests compare against (reference_backend.py)."""
     if name == "torch":
         return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim)
     if name == "torch-reference":
