@@ -110,7 +110,7 @@ class PrepareSettings:
 
     def key(self) -> str:
         d = dataclasses.asdict(self)
-        if d["answer_tokens"] is None:  # uncapped: the key pairs prepared before the field existed have
+        if d["answer_tokens"] is None:  # uncapped: the key that pairs prepared before the field have
             del d["answer_tokens"]
         return settings_key({**d, "large": SMOLLM2_NAME})
 

@@ -29,6 +29,7 @@ match it (tests/test_attention_backend.py).
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -114,14 +115,14 @@ class TorchAttentionBackend(AttentionBackend):
         self._extends: list[_Extend] = []
         self._kernel_rows: _KernelRows | None = None
         ext_l, pre_l = batch.extend_lens_list, batch.prefix_lens_list
-        if self.kernel is not None:
-            short = [i for i, e in enumerate(ext_l) if e <= KERNEL_MAX_EXTEND]
-            if short:
-                self._kernel_rows = self._plan_kernel(batch, short)
-            ext_l = [0 if e <= KERNEL_MAX_EXTEND else e for e in ext_l]  # 0: taken by the kernel
-        dec = [i for i, e in enumerate(ext_l) if e == 1]
-        fresh = [i for i, e in enumerate(ext_l) if e > 1 and pre_l[i] == 0]
-        cont = [i for i, e in enumerate(ext_l) if e > 1 and pre_l[i] > 0]
+        limit = KERNEL_MAX_EXTEND if self.kernel is not None else 0  # extends the kernel takes
+        short = [i for i, e in enumerate(ext_l) if e <= limit]
+        if short:
+            self._kernel_rows = self._plan_kernel(batch, short)
+        rest = [i for i, e in enumerate(ext_l) if e > limit]
+        dec = [i for i in rest if ext_l[i] == 1]
+        fresh = [i for i in rest if ext_l[i] != 1 and pre_l[i] == 0]
+        cont = [i for i in rest if ext_l[i] != 1 and pre_l[i] > 0]
         ext = batch.extend_lens
         starts = torch.cumsum(ext, 0) - ext
         if dec and self.bmm_decode:
@@ -136,9 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _plan_kernel(batch: ForwardBatch, sel: list[int]) -> _KernelRows:
         ext_l, pre_l = batch.extend_lens_list, batch.prefix_lens_list
-        starts = [0]
-        for e in ext_l:
-            starts.append(starts[-1] + e)
+        starts = list(itertools.accumulate(ext_l, initial=0))
         reqs = [i for i in sel for _ in range(ext_l[i])]
         rows = [starts[i] + j for i in sel for j in range(ext_l[i])]
         lens = [pre_l[i] + j + 1 for i in sel for j in range(ext_l[i])]
@@ -216,7 +215,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self._decode is not None and self._decode.rows is None:
             return self._forward_decode(self._decode, q, kc, vc, None)
         kr = self._kernel_rows
-        out = torch.empty(q.shape, dtype=q.dtype) if kr is not None else torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as the kernel writes it
         if kr is not None:
             assert self.kernel is not None
             self.kernel(q.contiguous(), kc, vc, kr.page_table, kr.reqs, kr.rows, kr.lens, self.pool.page_size,
