@@ -1,5 +1,5 @@
 """How much of an eager decode step is not the matrix products: the same generation twice, once as
-served and once with every oneDNN product (the 30 layers' and the head's) replaced by a result
+served and once with every product (the 30 layers' and the head's) replaced by a result
 cached per row count and weight, so the rest of the step (norms, rotary, attention, residual adds,
 SiLU, scheduling, sampling) runs unchanged and the products cost nothing. Tokens of the second run
 are meaningless; only its time is read.
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from tokenrouter.llm import LLM
-from tokenrouter.models import onednn_linear
+from tokenrouter.models import packed_linear
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.training.default_model import ensure_smollm2
 
@@ -46,7 +46,7 @@ def main() -> None:
         return min(times) / args.tokens * 1e3
 
     full = best_of_two()
-    real, real_head = onednn_linear.linear, onednn_linear.head_logits
+    real = packed_linear.linear
     cached: dict[tuple[int, int], torch.Tensor] = {}
 
     def once(x: torch.Tensor, weight: object, product: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -55,13 +55,12 @@ def main() -> None:
             cached[key] = product()
         return cached[key]
 
-    onednn_linear.linear = lambda x, packed, bias: once(x, packed, lambda: real(x, packed, bias))
-    # the head (at one row it multiplies a transposed copy, not through oneDNN)
-    onednn_linear.head_logits = lambda x, head: once(x, head, lambda: real_head(x, head))
+    # every product, the head's too, goes through packed_linear.linear
+    packed_linear.linear = lambda x, packed, bias: once(x, packed, lambda: real(x, packed, bias))
     try:
         rest = best_of_two()
     finally:
-        onednn_linear.linear, onednn_linear.head_logits = real, real_head
+        packed_linear.linear = real
     print(f"batch {args.batch}: {full:.1f} ms a step as served, {rest:.1f} ms with the products cached "
           f"({100 * (full - rest) / full:.0f}% of the step is products)")
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tokenrouter.engine.config import EngineConfig
@@ -14,6 +17,18 @@ from tokenrouter.engine.req import Req
 from tokenrouter.sampling_params import SamplingParams
 
 Logits = dict[str, list[tuple[int, torch.Tensor]]]  # rid -> [(position of the input row, logits)]
+
+
+def need_compiler() -> None:
+    """The CPU kernels (paged attention, the skinny GEMM) are built with the system C compiler:
+    without one their cases skip, except under CI (the CI variable set), where the environment must
+    have it: they fail."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        message = f"no C compiler {cc!r} to build the CPU kernels"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
 
 
 def make_engine(path: Path, **kw: Any) -> Engine:

@@ -3,11 +3,9 @@ backend on random paged batches."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
+from engine_utils import need_compiler
 
 from tokenrouter.models.attention import paged_decode_kernel
 from tokenrouter.models.attention.reference_backend import ReferenceAttentionBackend
@@ -19,17 +17,6 @@ from tokenrouter.models.kv_pool import KVPool
 TOL = 1e-5
 PAGE = 4
 LAYERS = 2
-
-
-def need_kernel() -> None:
-    """The paged kernel is built with the system C compiler: without one the kernel's cases skip,
-    except under CI (the CI variable set), where the environment must have it: they fail."""
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        message = f"no C compiler {cc!r} to build the paged attention kernel"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def make_batch(prefix: list[int], extend: list[int], num_pages: int, gen: torch.Generator) -> ForwardBatch:
@@ -109,7 +96,7 @@ CASES = {
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 3)])
 def test_matches_reference(case, heads, kv_heads, kernel):
     if kernel:
-        need_kernel()
+        need_compiler()
     prefix, extend = CASES[case]
     for ref, new in run_both(prefix, extend, heads, kv_heads, kernel=kernel):
         assert (ref - new).abs().max().item() <= TOL
@@ -118,7 +105,7 @@ def test_matches_reference(case, heads, kv_heads, kernel):
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_kernel_head_sizes_and_long_contexts(head_dim):
     """The kernel's unrolled head sizes (64, 128) and its general loop, over contexts of many pages."""
-    need_kernel()
+    need_compiler()
     prefix, extend = [0, 130, 61, 200, 15], [1, 1, 4, 1, 3]  # extends across page boundaries
     for ref, new in run_both(prefix, extend, 9, 3, head_dim=head_dim, seed=4, kernel=True):
         assert (ref - new).abs().max().item() <= TOL
@@ -126,7 +113,7 @@ def test_kernel_head_sizes_and_long_contexts(head_dim):
 
 def test_kernel_rows_do_not_depend_on_the_batch():
     """A query row's output is bit-identical whether it shares the kernel's call with others or not."""
-    need_kernel()
+    need_compiler()
     prefix, extend = [5, 40, 17], [1, 3, 1]
     gen = torch.Generator().manual_seed(6)
     pool = KVPool(40, PAGE, 1, 2, 16, torch.float32, torch.device("cpu"))
@@ -151,7 +138,7 @@ def test_kernel_rows_do_not_depend_on_the_batch():
 
 def test_kernel_leaves_the_process_float_mode_alone():
     """Loading the -ffast-math library must not turn on flush-to-zero for the whole process."""
-    need_kernel()
+    need_compiler()
     assert paged_decode_kernel.load_kernel() is not None
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert (tiny * 1.0).item() != 0.0 and (tiny + tiny).item() != 0.0

@@ -16,7 +16,7 @@ def _cuda_graph_disabled_by_env() -> bool | None:
     return {"1": True, "0": False}.get(os.environ.get(DISABLE_CUDA_GRAPH_ENV, ""))
 
 
-LINEAR_BACKENDS = ("auto", "aten", "onednn")
+LINEAR_BACKENDS = ("auto", "aten", "onednn", "skinny")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -45,8 +45,10 @@ class EngineConfig:
     # Prefill always runs eagerly.
     disable_cuda_graph: bool | None = field(default_factory=_cuda_graph_disabled_by_env)
     cuda_graph_max_bs: int | None = None  # largest decode batch compiled; default max_running_requests
-    # Linear layers: "onednn" prepacks weights for oneDNN (float32 on CPU, one rank, eager decode;
-    # models/onednn_linear.py), "aten" is PyTorch's F.linear, "auto" takes onednn wherever it applies.
+    # Linear layers (float32 on CPU, one rank, eager decode; models/packed_linear.py): "skinny" runs
+    # inputs of up to 64 rows on the skinny GEMM (built with the C compiler) and larger ones on oneDNN,
+    # "onednn" runs every row count on oneDNN, "aten" is PyTorch's F.linear everywhere; "auto" takes
+    # skinny wherever it applies and builds, else onednn wherever it applies, else aten.
     linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -71,12 +73,12 @@ class EngineConfig:
         return device.type == "cuda" if self.disable_cuda_graph is None else not self.disable_cuda_graph
 
     def packs_linears(self, device: torch.device, dtype: torch.dtype, onednn_available: bool) -> bool:
-        """Whether the model's linear weights are prepacked for oneDNN (see linear_backend)."""
+        """Whether the model's linear weights are prepacked (skinny or onednn; see linear_backend)."""
         applies = (device.type == "cpu" and dtype == torch.float32 and self.tp_size == 1
                    and not self.compiles_decode(device) and onednn_available)
-        if self.linear_backend == "onednn" and not applies:
-            raise ValueError("linear_backend onednn needs float32 on CPU, tp_size 1, eager decode steps and a "
-                             "PyTorch built with oneDNN")
+        if self.linear_backend in ("onednn", "skinny") and not applies:
+            raise ValueError(f"linear_backend {self.linear_backend} needs float32 on CPU, tp_size 1, eager "
+                             "decode steps and a PyTorch built with oneDNN")
         return applies and self.linear_backend != "aten"
 
     def torch_device(self) -> torch.device:

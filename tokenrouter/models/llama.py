@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from tokenrouter.models import onednn_linear
+from tokenrouter.models import packed_linear, skinny_gemm
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
-        self.lm_head_packed: onednn_linear.PackedHead | None = None  # pack_linear_weights
+        self.lm_head_packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -135,20 +135,21 @@ class LlamaForCausalLM(nn.Module):
         return parallel_logits(hidden, self.lm_head_weight, self.config.vocab_size, self.tp,
                                self.lm_head_packed).float()
 
-    def pack_linear_weights(self, max_step_rows: int, max_sampled_rows: int) -> None:
-        """Prepack every linear weight and the output head for oneDNN (float32 on CPU, no tensor
-        parallelism; models/onednn_linear.py) and warm up the row counts a step of up to
-        `max_step_rows` rows, sampling up to `max_sampled_rows`, runs at. The original weights stay
-        for loading and tests."""
+    def pack_linear_weights(self, max_step_rows: int, max_sampled_rows: int,
+                            skinny: skinny_gemm.SkinnyGemm | None) -> None:
+        """Prepack every linear weight and the output head (float32 on CPU, no tensor parallelism;
+        models/packed_linear.py: the `skinny` kernel for few rows where given, oneDNN for the rest)
+        and warm up the row counts a step of up to `max_step_rows` rows, sampling up to
+        `max_sampled_rows`, runs at. The original weights stay for loading and tests."""
         assert self.tp.size == 1, "packed linears are for a single rank"
         pairs = []
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                module.packed = onednn_linear.pack(module.weight)
+                module.packed = packed_linear.pack(module.weight, skinny)
                 pairs.append((module.weight, module.packed))
-        self.lm_head_packed = onednn_linear.pack_head(self.lm_head_weight)
-        onednn_linear.warm_up(pairs, max_step_rows)
-        onednn_linear.warm_up([(self.lm_head_weight, self.lm_head_packed.packed)], max_sampled_rows)
+        self.lm_head_packed = packed_linear.pack(self.lm_head_weight, skinny)
+        packed_linear.warm_up(pairs, max_step_rows)
+        packed_linear.warm_up([(self.lm_head_weight, self.lm_head_packed)], max_sampled_rows)
 
     # ---- loading ---------------------------------------------------------------------------
     def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:

@@ -51,7 +51,8 @@ def row_blocks(rows: int) -> list[int]:
     return out
 
 
-def _product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One oneDNN product at x's own row count (which should be one of `row_blocks`' counts)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -59,42 +60,23 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     """x [rows, in] times the packed weight (plus bias), at the fixed row counts of `row_blocks`."""
     rows = x.shape[0]
     if rows <= MAX_EXACT_ROWS:
-        return _product(x, packed, bias)
+        return product(x, packed, bias)
     x = x.contiguous()
     parts, start = [], 0
     for n in row_blocks(rows):
-        parts.append(_product(x[start:start + n], packed, bias))
+        parts.append(product(x[start:start + n], packed, bias))
         start += n
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-class PackedHead(NamedTuple):
-    """The output head for oneDNN, and the same weight transposed to [in, out] for one-row inputs:
-    a decode step at batch 1 (a routed pair at concurrency 1) multiplies one row by the whole
-    vocabulary, and that matrix-vector product streams the transposed copy 1.5-2x faster than
-    oneDNN's packed layout (SmolLM2's 49,152 x 576 head: 9-13 ms against 17-20, measured; at 2 rows
-    and more oneDNN is faster). It costs one more copy of the head (vocab x hidden floats)."""
-
-    packed: torch.Tensor
-    transposed: torch.Tensor
-
-
-def pack_head(weight: torch.Tensor) -> PackedHead:
-    return PackedHead(pack(weight), weight.detach().t().contiguous())
-
-
-def head_logits(hidden: torch.Tensor, head: PackedHead) -> torch.Tensor:
-    if hidden.shape[0] == 1:
-        return hidden @ head.transposed
-    return linear(hidden, head.packed, None)
-
-
-def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int) -> None:
+def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, exact_rows: bool = True) -> None:
     """Run each distinct weight shape of (weight, packed) pairs at every row count it can see in
-    inputs of up to `max_rows` rows (twice: oneDNN's memory settles on the second pass, measured)."""
+    inputs of up to `max_rows` rows (twice: oneDNN's memory settles on the second pass, measured);
+    `exact_rows` False: only the blocks (another kernel takes the counts up to MAX_EXACT_ROWS)."""
     shapes = {tuple(w.shape): p for w, p in weights}
-    counts = list(range(1, min(max_rows, MAX_EXACT_ROWS) + 1)) + [b for b in BLOCK_ROWS if b <= max_rows]
+    exact = list(range(1, min(max_rows, MAX_EXACT_ROWS) + 1)) if exact_rows else []
+    counts = exact + [b for b in BLOCK_ROWS if b <= max_rows]
     for _ in range(2):
         for rows in counts:
             for (_, width), p in shapes.items():
-                _product(torch.zeros(rows, width), p, None)
+                product(torch.zeros(rows, width), p, None)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrouter.models import onednn_linear
+from tokenrouter.models import packed_linear
 from tokenrouter.models.tp_group import TPGroup
 
 
@@ -33,11 +33,11 @@ class ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features_local, in_features))
         self.bias = nn.Parameter(torch.empty(out_features_local)) if bias else None
-        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (pack_linear_weights)
+        self.packed: packed_linear.PackedLinear | None = None  # the weight prepacked (pack_linear_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return onednn_linear.linear(x, self.packed, self.bias)
+            return packed_linear.linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -48,11 +48,11 @@ class RowParallelLinear(nn.Module):
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN (tp size 1 only)
+        self.packed: packed_linear.PackedLinear | None = None  # the weight prepacked (tp size 1 only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return onednn_linear.linear(x, self.packed, self.bias)
+            return packed_linear.linear(x, self.packed, self.bias)
         if self.tp.size == 1:
             return F.linear(x, self.weight, self.bias)
         out = self.tp.all_reduce(F.linear(x, self.weight))
@@ -92,10 +92,10 @@ class ParallelLMHead(nn.Module):
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: TPGroup,
-                    packed: onednn_linear.PackedHead | None = None) -> torch.Tensor:
+                    packed: packed_linear.PackedLinear | None = None) -> torch.Tensor:
     """Full logits [N, V] on every rank from each rank's vocabulary shard of the output weight
-    (`packed`: that weight prepacked, models/onednn_linear.py)."""
-    local = hidden @ weight.t() if packed is None else onednn_linear.head_logits(hidden, packed)
+    (`packed`: that weight prepacked, models/packed_linear.py)."""
+    local = hidden @ weight.t() if packed is None else packed_linear.linear(hidden, packed, None)
     if tp.size == 1:
         return local
     return tp.all_gather(local, dim=-1)[:, :vocab_size]
