@@ -47,8 +47,9 @@ class EngineConfig:
     cuda_graph_max_bs: int | None = None  # largest decode batch compiled; default max_running_requests
     # Linear layers (float32 on CPU, one rank, eager decode; models/packed_linear.py): "skinny" runs
     # inputs of up to 64 rows on the skinny GEMM (built with the C compiler) and larger ones on oneDNN,
-    # "onednn" runs every row count on oneDNN, "aten" is PyTorch's F.linear everywhere; "auto" takes
-    # skinny wherever it applies and builds, else onednn wherever it applies, else aten.
+    # with norms, rotary and SiLU on fused C ops (models/fused_ops.py); "onednn" runs every row count
+    # on oneDNN, "aten" is PyTorch's F.linear everywhere (both with PyTorch's element-wise ops); "auto"
+    # takes skinny with one torch thread where it builds, else onednn wherever it applies, else aten.
     linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -80,6 +81,11 @@ class EngineConfig:
             raise ValueError(f"linear_backend {self.linear_backend} needs float32 on CPU, tp_size 1, eager "
                              "decode steps and a PyTorch built with oneDNN")
         return applies and self.linear_backend != "aten"
+
+    def uses_skinny(self, threads: int) -> bool:
+        """Whether packed linears take the skinny GEMM for few rows, and the model the fused element-wise
+        ops (both single-threaded C): always for linear_backend skinny, for auto with one torch thread."""
+        return self.linear_backend == "skinny" or (self.linear_backend == "auto" and threads == 1)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -27,7 +27,7 @@ from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.stop_strings import output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
-from tokenrouter.models import onednn_linear, skinny_gemm
+from tokenrouter.models import fused_ops, onednn_linear, skinny_gemm
 from tokenrouter.models.attention.registry import make_backend
 from tokenrouter.models.config import ModelConfig
 from tokenrouter.models.kv_pool import KVPool, available_memory_bytes
@@ -131,11 +131,14 @@ class Engine:
             self.model = _on_every_rank(tp, "loading its weights", lambda: load_model(
                 cfg.model_path, self.dtype, self.device, tp.group if tp else None))
             if cfg.packs_linears(self.device, self.dtype, onednn_linear.available()):
-                skinny = skinny_gemm.load_kernel() if cfg.linear_backend in ("auto", "skinny") else None
+                skinny = skinny_gemm.load_kernel() if cfg.uses_skinny(torch.get_num_threads()) else None
                 if skinny is None and cfg.linear_backend == "skinny":
                     raise RuntimeError("linear_backend skinny: the skinny GEMM could not be built (see the log)")
                 self.model.pack_linear_weights(max(cfg.chunked_prefill_size, cfg.max_running_requests),
                                                cfg.max_running_requests, skinny)
+                ops = fused_ops.load_kernel() if skinny is not None else None
+                if ops is not None:
+                    self.model.use_fused_ops(ops)
         self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

@@ -61,7 +61,7 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.outputs = outputs
-        self.sampler = Sampler(device)
+        self.sampler = Sampler(device, model.fused_ops)
         self.eos_token_ids = eos_token_ids  # masked while a request is below its min_tokens
         self.decode = decode
 

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from tokenrouter.models.fused_ops import FusedOps
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -37,8 +39,11 @@ class SamplingBatch(NamedTuple):
 
 
 class Sampler:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, fused: FusedOps | None = None) -> None:
+        """`fused`: greedy rows take its argmax (one pass in C; torch.argmax took 0.6 ms a step for
+        8 rows of SmolLM2's 49,152 logits)."""
         self.device = device
+        self.fused = fused
         self._gen = torch.Generator(device=device)
 
     def _exponential_noise(self, seeds: list[int], positions: list[int], vocab: int) -> torch.Tensor:
@@ -50,7 +55,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         """Token ids [S] from float32 logits [S, V]."""
-        greedy_ids = logits.argmax(dim=-1)
+        if self.fused is not None and FusedOps.rows_of(logits):
+            greedy_ids = self.fused.argmax(logits)
+        else:
+            greedy_ids = logits.argmax(dim=-1)
         if sb.all_greedy:
             return greedy_ids
         dev = logits.device

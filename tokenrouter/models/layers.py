@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenrouter.models.fused_ops import FusedOps
 from tokenrouter.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from tokenrouter.models.tp_group import TPGroup
 
@@ -18,13 +19,25 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused: FusedOps | None = None  # set by use_fused_ops (float32 CPU only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and FusedOps.rows_of(x):  # hidden rows, or Qwen3's heads of q or k
+            return self.fused.rms_norm(x, self.weight, self.eps)[1]
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One op: the same products in the same order as normalising, then scaling (bit-identical).
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)
         # Normalise in float32 as the reference does, whatever the model dtype.
         return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype) * self.weight
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): the residual stream's sum and the next block's input, in one
+        pass where fused."""
+        if self.fused is not None and x.dim() == 2 and FusedOps.rows_of(x) and x.is_contiguous() \
+                and residual.is_contiguous():
+            return self.fused.rms_norm(x, self.weight, self.eps, residual)
+        h = residual + x
+        return h, self(h)
 
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -69,10 +82,13 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
 
 
-def rotate(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+def rotate(x: torch.Tensor, rope: Rope, fused: FusedOps | None = None) -> torch.Tensor:
     """x [T, heads, head_dim] rotated by its row's angles (computed in float32, returned in x's dtype).
-    Any number of heads: a layer rotates q and k as one tensor, halving the element-wise calls."""
+    Any number of heads: a layer rotates q and k as one tensor, halving the element-wise calls.
+    `fused`: one C pass (bit-identical) where x's heads lie side by side in each row."""
     cos, sin = rope
+    if fused is not None and FusedOps.rows_of(x):
+        return fused.rotate(x, cos, sin)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
@@ -91,7 +107,11 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate // tp.size  # this rank's share
         self.gate_up_proj = ColumnParallelLinear(hidden, 2 * self.intermediate, False, tp)
         self.down_proj = RowParallelLinear(intermediate, hidden, False, tp)
+        self.fused: FusedOps | None = None  # set by use_fused_ops (float32 CPU only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused is not None and FusedOps.rows_of(gate_up):
+            return self.down_proj(self.fused.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -21,6 +21,7 @@ from tokenrouter.models import packed_linear, skinny_gemm
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
+from tokenrouter.models.fused_ops import FusedOps
 from tokenrouter.models.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
 from tokenrouter.models.parallel_layers import (
     ColumnParallelLinear,
@@ -44,6 +45,7 @@ class Attention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp)
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, tp)
         self.qk_norm = cfg.qk_norm
+        self.fused: FusedOps | None = None  # set by use_fused_ops (float32 CPU only)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -53,10 +55,12 @@ class Attention(nn.Module):
         qk_width = self.q_size + self.kv_size
         v = qkv[:, qk_width:].view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # each of q and k has its own norm weights: rotated apart
-            q = rotate(self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)), rope)
-            k = rotate(self.k_norm(qkv[:, self.q_size:qk_width].view(-1, self.num_kv_heads, self.head_dim)), rope)
+            q = rotate(self.q_norm(qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim)), rope, self.fused)
+            k = rotate(self.k_norm(qkv[:, self.q_size:qk_width].view(-1, self.num_kv_heads, self.head_dim)), rope,
+                       self.fused)
         else:  # q and k sit side by side in the fused product: one rotation for both
-            qk = rotate(qkv[:, :qk_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope)
+            qk = rotate(qkv[:, :qk_width].view(-1, self.num_heads + self.num_kv_heads, self.head_dim), rope,
+                        self.fused)
             q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         out = attn.forward(self.layer, q, k, v)
         return self.o_proj(out.view(-1, self.q_size))
@@ -71,8 +75,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(self.self_attn(self.input_layernorm(x), rope, attn), x)
+        return x + self.mlp(h)
 
 
 class Backbone(nn.Module):
@@ -107,6 +111,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.lm_head_packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
+        self.fused_ops: FusedOps | None = None  # use_fused_ops
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -150,6 +155,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed = packed_linear.pack(self.lm_head_weight, skinny)
         packed_linear.warm_up(pairs, max_step_rows)
         packed_linear.warm_up([(self.lm_head_weight, self.lm_head_packed)], max_sampled_rows)
+
+    def use_fused_ops(self, ops: FusedOps) -> None:
+        """Norms, rotary and SiLU on the fused C ops (float32 on CPU; models/fused_ops.py) from here on
+        (the runner's sampler takes their argmax too)."""
+        self.fused_ops = ops
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, GatedMLP)):
+                module.fused = ops
 
     # ---- loading ---------------------------------------------------------------------------
     def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:

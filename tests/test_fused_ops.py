@@ -1,0 +1,80 @@
+"""The fused element-wise ops (models/fused_ops.c): each the same as the PyTorch ops it replaces (the
+rotation bit for bit, the norm and SiLU to float rounding, the argmax exactly), and an engine on the
+CPU default running its decoder layers and greedy sampling on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_utils import need_compiler, prompts_of
+
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_runner import StepOutputSpec
+from tokenrouter.models import fused_ops
+from tokenrouter.models.layers import RMSNorm, RotaryEmbedding, rotate
+from tokenrouter.sampling_params import SamplingParams
+
+
+def ops() -> fused_ops.FusedOps:
+    need_compiler()
+    k = fused_ops.load_kernel()
+    assert k is not None
+    return k
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 576), (8, 64), (33, 17)])
+def test_rms_norm_with_and_without_residual(rows: int, dim: int) -> None:
+    gen = torch.Generator().manual_seed(rows + dim)
+    x, res, w = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen), torch.randn(dim, generator=gen)
+    h, out = ops().rms_norm(x, w, 1e-5)
+    assert h is x and torch.allclose(out, F.rms_norm(x, (dim,), w, eps=1e-5), rtol=1e-5, atol=1e-6)
+    h, out = ops().rms_norm(x, w, 1e-5, res)
+    assert torch.equal(h, res + x)
+    assert torch.allclose(out, F.rms_norm(res + x, (dim,), w, eps=1e-5), rtol=1e-5, atol=1e-6)
+    norm = RMSNorm(dim, 1e-5)
+    norm.weight.data.copy_(w)
+    norm.fused = ops()
+    assert torch.equal(norm.add_forward(x, res)[1], out)
+    # per head, read in place from wider rows (Qwen3's q and k norms on the fused q/k/v product)
+    wide = torch.randn(rows, 3 * dim + 5, generator=gen)
+    heads = wide[:, :3 * dim].view(rows, 3, dim)
+    assert torch.allclose(norm(heads), F.rms_norm(heads, (dim,), w, eps=1e-5), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_rotation_is_bit_identical(head_dim: int) -> None:
+    """q and k heads read in place from a wider fused q/k/v row, as the attention layer passes them."""
+    gen = torch.Generator().manual_seed(head_dim)
+    rotary = RotaryEmbedding(head_dim, 512, 10000.0, None)
+    rope = rotary.angles(torch.tensor([0, 5, 17, 300, 511, 2]))
+    qkv = torch.randn(6, 7 * head_dim, generator=gen) * 3
+    qk = qkv[:, :5 * head_dim].view(-1, 5, head_dim)
+    assert torch.equal(rotate(qk, rope, ops()), rotate(qk, rope))
+
+
+def test_silu_mul_and_argmax() -> None:
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(9, 2 * 100, generator=gen) * 4
+    ref = F.silu(gate_up[:, :100]) * gate_up[:, 100:]
+    assert torch.allclose(ops().silu_mul(gate_up), ref, rtol=1e-5, atol=1e-6)
+    logits = torch.randn(5, 3000, generator=gen)
+    logits[2, 7] = logits[2, 900] = 50.0  # a tie: the first index, as torch.argmax
+    assert torch.equal(ops().argmax(logits), logits.argmax(-1))
+
+
+def test_engine_runs_layers_and_sampling_on_the_fused_ops(model_paths) -> None:
+    need_compiler()
+    cfg = EngineConfig(model_path=str(model_paths["qwen3"]), device="cpu", dtype="float32", kv_cache_tokens=512,
+                       page_size=4, disable_cuda_graph=True)
+    eng = Engine(cfg, outputs=StepOutputSpec())
+    assert eng.model.fused_ops is not None and eng.runner.sampler.fused is eng.model.fused_ops
+    for i, p in enumerate(prompts_of([5, 9], seed=2)):
+        eng.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), rid=f"r{i}")
+    eng.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        eng.step()  # a decode step of both requests
+    names = {e.name for e in prof.events()}
+    assert not names & {"aten::rms_norm", "aten::silu", "aten::argmax"}, names
+    assert all(layer.self_attn.fused is eng.model.fused_ops for layer in eng.model.model.layers)
