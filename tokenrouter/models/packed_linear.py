@@ -40,15 +40,20 @@ def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch
     rows = x.shape[0]
     if rows <= onednn_linear.MAX_EXACT_ROWS:
         return w.skinny(x, w.panels, w.out_features, bias)
+    blocks = onednn_linear.row_blocks(rows)
+    if len(blocks) == 1:
+        return onednn_linear.product(x, w.onednn, bias)
     x = x.contiguous()
-    parts, start = [], 0
-    for n in onednn_linear.row_blocks(rows):
+    out = torch.empty(rows, w.out_features, dtype=x.dtype)
+    start = 0
+    for n in blocks:
         part = x[start:start + n]
-        small = n <= onednn_linear.MAX_EXACT_ROWS
-        parts.append(w.skinny(part, w.panels, w.out_features, bias) if small
-                     else onednn_linear.product(part, w.onednn, bias))
+        if n <= onednn_linear.MAX_EXACT_ROWS:
+            w.skinny(part, w.panels, w.out_features, bias, out=out[start:start + n])
+        else:
+            out[start:start + n] = onednn_linear.product(part, w.onednn, bias)
         start += n
-    return torch.cat(parts)
+    return out
 
 
 def warm_up(weights: list[tuple[torch.Tensor, PackedLinear]], max_rows: int) -> None:

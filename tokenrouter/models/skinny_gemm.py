@@ -35,8 +35,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class SkinnyGemm:
-    """`__call__(x, panels, n, bias)`: x [rows, k] (float32, CPU, unit stride along k) times the weight
-    packed by `pack` (n output columns), plus bias [n] or None, as a new [rows, n] tensor."""
+    """`__call__(x, panels, n, bias, out=None)`: x [rows, k] (float32, CPU, unit stride along k) times
+    the weight packed by `pack` (n output columns), plus bias [n] or None, into `out` ([rows, n] rows
+    of unit stride, e.g. a block of a larger output) or a new tensor."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.skinny_gemm_f32
@@ -45,15 +46,18 @@ class SkinnyGemm:
         fn.restype = ctypes.c_int
         self._fn = fn
 
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows, k = x.shape
         if panels.shape[1] != k:
             raise ValueError(f"skinny GEMM: x has {k} features, the weight {panels.shape[1]}")
-        y = torch.empty(rows, n, dtype=torch.float32)
+        y = torch.empty(rows, n, dtype=torch.float32) if out is None else out
+        if y.shape != (rows, n) or y.stride(1) != 1:
+            raise ValueError(f"skinny GEMM: out must be ({rows}, {n}) with unit stride, got {tuple(y.shape)}")
         rc = self._fn(x.data_ptr(), rows, x.stride(0), panels.data_ptr(), n, k,
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), n)
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), y.stride(0))
         if rc != 0:
             raise RuntimeError(f"skinny GEMM: shape ({rows}, {k}) x ({n}, {k}) not taken")
         return y
