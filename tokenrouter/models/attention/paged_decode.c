@@ -12,7 +12,9 @@
  * Per block: scores of every key and head into a scratch buffer, their maximum, exp and sum, then the
  * weighted sum of the value rows. While a page is read, the next page's rows are prefetched (the last
  * key page prefetches the first value page): pages are scattered over the pool, and the hardware
- * prefetcher does not cross into them (measured: 1.2x on SmolLM2's shapes at batch 8 and 32).
+ * prefetcher does not cross into them (measured: 1.2x on SmolLM2's shapes at batch 8 and 32). They
+ * are prefetched into L2, not L1: a page of keys is 12 KB for SmolLM2, and pulling it into L1 evicted
+ * the scores and the output rows being summed (1.2-1.4x measured, benchmarks/decode_attention_costs.py).
  * Requests are independent: a row's result does not depend on which other requests share the call. */
 #include <float.h>
 #include <math.h>
@@ -39,8 +41,8 @@ static inline void attend(const float *restrict q, const float *restrict kc, con
         const float *kp = kc + pages[p] * page_size * row;
         const float *kn = t0 + page_size < len ? kc + pages[p + 1] * page_size * row : vc + pages[0] * page_size * row;
         for (int64_t u = 0; u < n; u++) {
-            /* one cache line of 16 floats per prefetch */
-            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(kn + u * row + c);
+            /* one cache line of 16 floats per prefetch, into L2 (locality 1) */
+            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(kn + u * row + c, 0, 1);
             const int64_t t = t0 + u, first = t < len0 ? 0 : t - len0 + 1;  /* rows that see key t */
             for (int64_t e = first; e < n_rows; e++) {
                 float *st = s + (e * len + t) * h, *me = mx + e * h;
@@ -76,7 +78,7 @@ static inline void attend(const float *restrict q, const float *restrict kc, con
         const float *vp = vc + pages[p] * page_size * row;
         const float *vn = t0 + page_size < len ? vc + pages[p + 1] * page_size * row : vp;
         for (int64_t u = 0; u < n; u++) {
-            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vn + u * row + c);
+            for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(vn + u * row + c, 0, 1);
             const int64_t t = t0 + u, first = t < len0 ? 0 : t - len0 + 1;
             for (int64_t e = first; e < n_rows; e++) {
                 const float *st = s + (e * len + t) * h;
