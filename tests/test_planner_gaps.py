@@ -13,6 +13,7 @@ import pytest
 from tokenrouter.engine.step_trace import Step, latency_ratio, send_runs, visit_runs
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.chain import best_thresholds
+from tokenrouter.planner import controller
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.planner.gaps import fit_runs, hazard
 from tokenrouter.planner.sim import simulate
@@ -167,3 +168,20 @@ def test_controller_measures_the_catch_up_of_runs_that_reached_the_large_model()
         assert ctl.table == want
     finally:
         ctl.close()
+
+
+def test_controller_plans_the_continuous_chain_only_up_to_its_cap(monkeypatch):
+    """The continuous chain's cost grows about as N^4 (minutes for N up to 64): above
+    CONTINUOUS_MAX_N the re-plan keeps the step-aligned chain, so it stays short on any n_max."""
+    monkeypatch.setattr(controller, "CONTINUOUS_MAX_N", 3)
+    kw = dict(lat_s=lambda b: 0.010 + 0.001 * b, lat_l=lambda b: 0.030 + 0.004 * b)
+    ov = Overheads(s_token=0.001, l_token=0.004)
+    ctl = PlannerController("small", "large", alpha=1.0, n_max=6, overheads=ov, **kw)
+    try:
+        table = ctl._solve(0.3, 0.0, 1.0)
+    finally:
+        ctl.close()
+    aligned = best_thresholds(6, 0.3, alpha=1.0, q_l=0.0, min_gain=0.01, **kw)
+    continuous = best_thresholds(6, 0.3, alpha=1.0, min_gain=0.01, overheads=dataclasses.replace(ov, catchup=1.0), **kw)
+    assert aligned != continuous  # the two chains plan differently here, below and above the cap
+    assert table == {n: (continuous if n <= 3 else aligned)[n] for n in range(1, 7)}

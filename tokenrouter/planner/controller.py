@@ -27,6 +27,12 @@ from tokenrouter.planner.overheads import Overheads
 
 logger = logging.getLogger(__name__)
 
+# The continuous-time chain's cost grows about as N^4 (on this machine its table for N = 1..8 took
+# 0.07 s, for 1..32 24 s, for 1..64 over ten minutes: a re-plan that long held a core of the two the
+# models were served on, and the pair at concurrency 8 lost 37 % against eager launching,
+# docs/BENCHMARKS.md). So it plans N up to this; larger N keep the step-aligned chain (0.15 s for 1..32).
+CONTINUOUS_MAX_N = 12
+
 Latency = Callable[[int], float]
 
 
@@ -36,8 +42,8 @@ class PlannerController:
                  overheads: Overheads | None = None, window: int | None = 2000, min_visits: int = 20) -> None:
         """`overheads`: once `min_visits` visits of the large model were seen, re-plan with the
         continuous-time chain on them and the measured catch-up (spans then planned as one-token
-        visits). Until then, and without `overheads`, the step-aligned chain (fast: the first table is
-        solved here, at start-up)."""
+        visits) for N up to CONTINUOUS_MAX_N. Until then, above it, and without `overheads`, the
+        step-aligned chain (fast: the first table is solved here, at start-up)."""
         self.small, self.large = small, large
         self.overheads = overheads
         self.min_visits = min_visits
@@ -63,16 +69,17 @@ class PlannerController:
 
     def _solve(self, p: float, q_l: float, catchup: float | None) -> dict[int, int]:
         p = min(max(p, 1e-4), 1.0)
+        q_l = min(q_l, 0.99)
+        table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, q_l=q_l, min_gain=0.01)
         if self.overheads is not None and catchup is not None:
             ov = dataclasses.replace(self.overheads, catchup=catchup)
             try:  # the continuous chain has one-token visits
-                table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, min_gain=0.01, overheads=ov)
+                table |= best_thresholds(min(self.n_max, CONTINUOUS_MAX_N), p, self.lat_s, self.lat_l, self.alpha,
+                                         min_gain=0.01, overheads=ov)
                 logger.info("planner: p=%.3f catch-up %.2f alpha=%.2f -> B(n) %s", p, catchup, self.alpha, table)
                 return table
             except ValueError as e:  # past the continuous chain's limits: the step-aligned chain serves
                 logger.warning("planner: %s; planning with the step-aligned chain", e)
-        q_l = min(q_l, 0.99)
-        table = best_thresholds(self.n_max, p, self.lat_s, self.lat_l, self.alpha, q_l=q_l, min_gain=0.01)
         logger.info("planner: p=%.3f q_l=%.3f alpha=%.2f -> B(n) %s", p, q_l, self.alpha, table)
         return table
 
