@@ -1,4 +1,5 @@
-"""The oneDNN packed linear layers (models/onednn_linear.py, the CPU float32 default): the same
+"""The packed linear layers on oneDNN (models/onednn_linear.py; with the skinny GEMM for few rows, the
+CPU float32 default, tests/test_skinny_gemm.py): the same
 products as F.linear to float32 rounding at every row count (large inputs cut into a fixed set of
 row blocks), and an engine on them writes the same greedy tokens with logits within 1e-4 of one on
 F.linear, for Llama and Qwen3, with prefill chunks and batched extends on oneDNN too."""
@@ -8,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_utils import prompts_of
+from engine_utils import need_compiler, prompts_of
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
@@ -47,11 +48,17 @@ def _engine(path, backend: str) -> Engine:
     return Engine(cfg, outputs=StepOutputSpec(logits=True))
 
 
+@pytest.mark.parametrize("backend", ["onednn", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_engine_on_packed_linears_matches_f_linear(arch: str, model_paths) -> None:
-    engines = {b: _engine(model_paths[arch], b) for b in ("aten", "onednn")}
-    assert engines["onednn"].model.lm_head_packed is not None and engines["aten"].model.lm_head_packed is None
-    assert engines["onednn"].model.lm_head_packed.skinny is None  # oneDNN at every row count
+def test_engine_on_packed_linears_matches_f_linear(arch: str, backend: str, model_paths) -> None:
+    """onednn: oneDNN at every row count; auto: the skinny GEMM up to 64 rows (the prompt step's 229
+    rows as oneDNN's 128 and the kernel's 64 and 37) and the fused element-wise ops."""
+    if backend == "auto":
+        need_compiler()
+    engines = {b: _engine(model_paths[arch], b) for b in ("aten", backend)}
+    packed = engines[backend].model.lm_head_packed
+    assert packed is not None and engines["aten"].model.lm_head_packed is None
+    assert (packed.skinny is None) == (backend == "onednn")
     # 229 prompt rows in the first step (blocks 128 + 64 + 37), decodes, then a catch-up extend of
     # every request (tokens written elsewhere, as a routed pair hands back: 6 x 12 rows over a prefix)
     prompts = prompts_of([3, 9, 17, 30, 70, 100], seed=5)
@@ -74,10 +81,10 @@ def test_engine_on_packed_linears_matches_f_linear(arch: str, model_paths) -> No
                 logits[b].append(res.step.logits)
             for req in res.updated:
                 tokens[b][req.rid] = list(req.tokens)
-    assert tokens["aten"] == tokens["onednn"]
-    assert len(logits["aten"]) == len(logits["onednn"]) > 0
-    assert {1, len(prompts)} <= {rows.shape[0] for rows in logits["onednn"]}
-    for a, o in zip(logits["aten"], logits["onednn"]):
+    assert tokens["aten"] == tokens[backend]
+    assert len(logits["aten"]) == len(logits[backend]) > 0
+    assert {1, len(prompts)} <= {rows.shape[0] for rows in logits[backend]}
+    for a, o in zip(logits["aten"], logits[backend]):
         assert (a - o).abs().max().item() <= 1e-4
 
 
