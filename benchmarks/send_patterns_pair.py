@@ -26,8 +26,9 @@ the machine is shared, so a profile measured another time would not describe thi
 - per-step gaps and hand-off latency: `runtime_costs`.
 
 Then the continuous-time chain (tokenrouter/planner/continuous.py) with the fitted p (the geometric
-assumption), and the simulator (tokenrouter/planner/sim.py) with the measured run-length distribution
-(Kaplan-Meier). Neither model has prompt prefill (a new request's prompt on S, and its first hand-off
+assumption), the simulator (tokenrouter/planner/sim.py) with the measured run-length distribution
+(Kaplan-Meier), the chain with the catch-up of the runs that sent, and the simulator replaying the
+measured requests' lives (each request's visits in order, from its first token to its last). No model has prompt prefill (a new request's prompt on S, and its first hand-off
 bringing the whole prompt to L): the share of step time that prompt tokens took is printed beside.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
@@ -52,7 +53,7 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import Step, read_trace, runtime_costs, send_runs
+from tokenrouter.engine.step_trace import Step, read_trace, runtime_costs, send_runs, visit_runs
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs
@@ -169,6 +170,7 @@ def main() -> int:
         sent: list[int] = []
         cut: list[int] = []
         l_spans: list[int] = []
+        lives: list[list[tuple[int, int]]] = []
         try:
             if args.warmup:  # the same prompts run once, unmeasured: every measured run finds them in both
                 # models' prefix caches (the first run would otherwise pay the prompts' prefill alone)
@@ -182,6 +184,7 @@ def main() -> int:
                 r = send_runs(steps, 0)
                 if not runs:  # greedy answers to the same prompts: every B's run sends alike
                     sent, cut, l_spans = r.sent, r.cut, send_runs(steps, 1).sent
+                    lives = list(visit_runs(steps).values())
                 costs = runtime_costs(steps)
                 lat = latencies_from_trace(steps)
                 runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput,
@@ -196,7 +199,7 @@ def main() -> int:
         report["routers"][kind] = {"threshold": algo, "fit": fit.to_json(), "runs": runs,
                                    "steps": fit.steps.tolist(), "pmf": fit.pmf.tolist(),
                                    "survival": fit.survival.tolist(), "sent": sent, "cut": cut,
-                                   "large_spans": sorted(set(l_spans))}
+                                   "large_spans": sorted(set(l_spans)), "lives": lives}
         print(f"{kind}: {json.dumps(fit.to_json())}", flush=True)
         if args.out:  # after each router: a slow run keeps what it measured
             Path(args.out).write_text(json.dumps(report, indent=1))
@@ -248,6 +251,10 @@ def predict(report: dict, sim_steps: int) -> None:
             sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps)
             cut = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], dataclasses.replace(ov, catchup=catchup),
                            "chain with the measured catch-up")
+            if r.get("lives"):  # JSON from before lives were recorded has none
+                life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps)
+                run.update(lives_model=life.throughput, lives_stderr=life.stderr,
+                           lives_error=life.throughput / (run["steady"] or float("nan")) - 1)
             steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
@@ -279,8 +286,9 @@ def table(report: dict) -> None:
         knob = [v for k, v in r["threshold"].items() if k not in ("name", "router")][0]
         print(f"| {kind} | {knob:.4g} | {fit_cells(r['fit'])} |")
     print("\n| router | B | measured tok/s | geometric chain (error) | measured-runs simulator (error) | "
-          "chain, catch-up of the runs that sent (error) | t_S(1), t_L(1) ms | alpha | first-visit share of step time |")
-    print("|---|---:|---:|---|---|---|---|---:|---:|")
+          "chain, catch-up of the runs that sent (error) | measured lives replayed (error) | t_S(1), t_L(1) ms | alpha | "
+          "first-visit share of step time |")
+    print("|---|---:|---:|---|---|---|---|---|---:|---:|")
     for kind, r in report["routers"].items():
         for run in r["runs"]:
             cs, cl = run["s_coef"], run["l_coef"]
@@ -289,7 +297,9 @@ def table(report: dict) -> None:
                   f"{run['measured_runs_stderr']:.1f} ({100 * run['measured_runs_error']:+.1f}%) | "
                   f"{run['catchup_chain']:.1f} ({100 * run['catchup_chain_error']:+.1f}%, {run['catchup_tokens']:.1f} "
                   "tokens) | "
-                  f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
+                  + (f"{run['lives_model']:.1f} +- {run['lives_stderr']:.1f} ({100 * run['lives_error']:+.1f}%) | "
+                     if "lives_model" in run else "(no lives recorded) | ")
+                  + f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
     print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")
     for kind, r in report["routers"].items():

@@ -89,6 +89,31 @@ def test_simulator_inter_token_latency():
     assert r.itl_percentile(99) >= 0.04 - 1e-9
 
 
+def test_simulator_replays_measured_lives_whole():
+    # One request at a time: 3 S steps (the last one's token dropped: it sends), one L token fed the 2
+    # tokens S kept, then a last S visit of 5 steps that ends the request with every token kept (no
+    # send, no catch-up): 8 tokens in 8 S steps and one L step, exactly.
+    life = [(0, 3), (1, 1), (0, 5)]
+    ov = Overheads(l_token=0.004)
+    r = simulate(1, 1, 0.01, 0.05, 0.0, lives=[life], overheads=ov, s_steps=8_000)
+    assert r.throughput == pytest.approx(8 / (8 * 0.01 + 0.05 + 2 * 0.004), rel=0.002)
+    assert r.l_tokens / (r.s_tokens + r.l_tokens) == pytest.approx(1 / 8, abs=0.002)
+    # the same runs drawn one by one (both end in a send) put every fourth token on L, not every eighth
+    drawn = simulate(1, 1, 0.01, 0.05, 0.0, gaps={2: 1, 4: 1}, overheads=ov, s_steps=8_000)
+    assert drawn.l_tokens / (drawn.s_tokens + drawn.l_tokens) == pytest.approx(1 / 4, abs=0.005)
+
+
+def test_simulator_rejects_bad_lives():
+    with pytest.raises(ValueError, match="exactly one of p, gaps and lives"):
+        simulate(2, 1, 0.01, 0.05, p=0.1, lives=[[(0, 2)]])
+    with pytest.raises(ValueError, match=r"lives\[1\]: visits must alternate"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 2)], [(1, 1), (0, 2)]])
+    with pytest.raises(ValueError, match=r"lives\[0\]"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 0)]])
+    with pytest.raises(ValueError, match="no spans or q_l"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 2)]], q_l=0.5)
+
+
 def test_slo_threshold_trades_throughput_for_the_p99_bound():
     from tokenrouter.planner.slo import slo_threshold
 

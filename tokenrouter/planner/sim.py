@@ -3,6 +3,7 @@
 It runs the system of `tokenrouter.planner.chain` event by event in continuous time, with:
 - gaps between hand-offs drawn from a measured histogram (or geometric with p, to check the chain);
 - spans on L drawn from a histogram of span lengths (or geometric with q_L);
+- or, instead of both, requests' whole lives replayed from a trace (`lives`, below);
 - every S step taking t_S(batch at its start) seconds, every L step t_L(its batch);
 - interference alpha as a rate: while L runs, S's current step progresses at speed 1 - alpha;
 - a hand-off latency: a request S hands off reaches L's queue `handoff` seconds after S's step;
@@ -19,6 +20,14 @@ Gap: the number of tokens S writes for a request between getting it (at start or
 handing it to L, so a gap of g is g + 1 S steps, the last one's token dropped. Span: the number of
 tokens L writes before handing the request back (>= 1).
 
+Lives: with gaps and spans drawn independently every request routes alike from its first token to
+its last. Measured requests do not (docs/BENCHMARKS.md, "Real send patterns"): a Co-LLM request
+sends every 5.8 steps on average while it sends, then ends in an S run of 30 steps that sends
+nothing. `lives` replays that: each life is one measured request's visits in order, (model, steps)
+with model 0 = S and 1 = L (tokenrouter.engine.step_trace.visit_runs); a request runs its life's
+visits, its last visit ends it (its last token kept), and the closed loop replaces it at once with
+a life drawn at random, starting on S (prompts are not modelled).
+
 The result is a throughput estimate with a standard error (batch means), not an exact value, and
 the inter-token latencies it saw (each request's time between two of its tokens: an S step's end
 for a token S keeps, an L step's end for L's): their percentiles are the model's prediction of the
@@ -28,6 +37,7 @@ runtime's ITL, which the chains do not give.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +63,20 @@ def parse_histogram(h) -> tuple[np.ndarray, np.ndarray]:
     return v.astype(np.int64), c / c.sum()
 
 
+def _check_lives(lives: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]:
+    """Each life's visit lengths, after checking that it starts on S, alternates and has steps >= 1."""
+    if not lives:
+        raise ValueError("lives: at least one measured request is needed")
+    out = []
+    for j, v in enumerate(lives):
+        models = [int(m) for m, _ in v]
+        steps = np.array([int(k) for _, k in v], dtype=np.int64)
+        if not models or models[0] != 0 or any(m != i % 2 for i, m in enumerate(models)) or (steps < 1).any():
+            raise ValueError(f"lives[{j}]: visits must alternate S (0) and L (1) from S, each >= 1 step, got {list(v)}")
+        out.append(steps)
+    return out
+
+
 @dataclass
 class SimResult:
     throughput: float  # tokens per second
@@ -69,17 +93,21 @@ class SimResult:
 
 
 def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-             p: float | None = None, gaps=None, q_l: float = 0.0, spans=None, handoff: float = 0.0,
+             p: float | None = None, gaps=None, q_l: float = 0.0, spans=None,
+             lives: Sequence[Sequence[tuple[int, int]]] | None = None, handoff: float = 0.0,
              overheads: Overheads | None = None, s_steps: int = 200_000,
              warmup: float = 0.05, batches: int = 20, seed: int = 0, itl_keep: int = 200_000) -> SimResult:
     """Simulate N = n requests with launch threshold B = b for about `s_steps` S steps.
 
     Give either p (geometric gaps) or gaps (a histogram {gap tokens: count}); either q_l (geometric
-    spans, 0 = one token) or spans (a histogram {span tokens >= 1: count}). With `overheads`, the
+    spans, 0 = one token) or spans (a histogram {span tokens >= 1: count}). Or give `lives` alone:
+    measured requests' visits, replayed whole (see the module docstring). With `overheads`, the
     runtime's costs (see the module docstring) and its hand-off latency (which replaces `handoff`).
     """
-    if (p is None) == (gaps is None):
-        raise ValueError("give exactly one of p and gaps")
+    if sum(x is not None for x in (p, gaps, lives)) != 1:
+        raise ValueError("give exactly one of p, gaps and lives")
+    if lives is not None and (spans is not None or q_l):
+        raise ValueError("lives give the spans on L too: no spans or q_l with them")
     if not 1 <= b <= n:
         raise ValueError(f"threshold B must be in 1..N={n}, got {b}")
     if not 0.0 <= alpha <= 1.0:
@@ -91,7 +119,9 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     rng = np.random.default_rng(seed)
     big = 1 << 60
 
-    if gaps is not None:
+    if lives is not None:
+        life_steps = _check_lives(lives)  # every run comes from a life: nothing to draw
+    elif gaps is not None:
         gv, gp = parse_histogram(gaps)
 
         def draw_gap(k: int) -> np.ndarray:
@@ -116,8 +146,27 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         def draw_span() -> int:
             return int(rng.geometric(1.0 - q_l)) if q_l > 0 else 1
 
-    s_left = draw_gap(n).astype(np.int64)  # S steps left before the hand-off, per request
+    life = rng.integers(len(lives), size=n) if lives is not None else None  # each request's life
+    pos = np.zeros(n, dtype=np.int64)  # and its visit in it
+    s_left = (np.array([life_steps[j][0] for j in life], dtype=np.int64) if lives is not None
+              else draw_gap(n).astype(np.int64))  # S steps left before the hand-off, per request
     catch = s_left - 1  # tokens S keeps in the current gap: L feeds them with the hand-off
+
+    def last_visit(i: int) -> bool:
+        return life is not None and pos[i] == len(life_steps[life[i]]) - 1
+
+    def next_visit(i: int) -> int:
+        """Steps of request i's next visit: the next one of its life, or a fresh draw."""
+        pos[i] += 1
+        return int(life_steps[life[i]][pos[i]])
+
+    def new_request(i: int) -> None:
+        """Request i ended: a new one takes its place at S with a life drawn at random."""
+        life[i], pos[i] = rng.integers(len(lives)), 0
+        s_left[i] = life_steps[life[i]][0]
+        catch[i] = s_left[i] - 1
+        back[i] = 0
+        last_tok[i] = math.nan
     back = np.zeros(n, dtype=np.int64)  # tokens beyond one L wrote in the span S takes back
     last_tok = np.full(n, math.nan)  # time of each request's last token
     itl: list[np.ndarray] = []
@@ -160,6 +209,8 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         if s_batch is not None and s_rem <= eps * max(1.0, t):
             s_left[s_batch] -= 1
             stay_mask = s_left[s_batch] > 0
+            ending = [int(i) for i in s_batch[~stay_mask] if last_visit(i)]
+            stay_mask[np.isin(s_batch, ending)] = True  # a request's last S step keeps its token
             leave = s_batch[~stay_mask]
             tok_s += len(s_batch) - len(leave)
             if n_s_steps >= warm_steps and itl_n < itl_keep:
@@ -169,9 +220,11 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                 itl.append(gaps_now)
                 itl_n += len(gaps_now)
             last_tok[s_batch[stay_mask]] = t
+            for i in ending:
+                new_request(i)
             at_s[leave] = False
             for i in leave:
-                l_left[i] = draw_span()
+                l_left[i] = next_visit(i) if life is not None else draw_span()
             transit.extend((t + handoff, int(i)) for i in leave)
             s_batch = None
             n_s_steps += 1
@@ -194,11 +247,14 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                 span_len[i] += 1
                 if l_left[i] > 0:
                     queue.append(i)
+                    continue
+                at_s[i] = True
+                back[i] = span_len[i] - 1
+                span_len[i] = 0
+                if last_visit(i):
+                    new_request(i)
                 else:
-                    at_s[i] = True
-                    back[i] = span_len[i] - 1
-                    span_len[i] = 0
-                    s_left[i] = draw_gap(1)[0]
+                    s_left[i] = next_visit(i) if life is not None else draw_gap(1)[0]
                     catch[i] = s_left[i] - 1
             l_batch = []
         while transit and transit[0][0] <= t + eps * max(1.0, t):
