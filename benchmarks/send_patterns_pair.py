@@ -124,6 +124,19 @@ def latencies_from_trace(steps: list[Step]) -> dict:
             "s_steps": len(s_steps), "l_steps": len(l_steps), "first_visit_share": prompt_secs / total}
 
 
+def steady_steps(steps: list[Step], window: tuple[float, float]) -> dict:
+    """Each model's mean batch and steps per second over the steps that began inside the run's steady
+    window (all N requests live), the quantities the simulator reports for its closed system."""
+    t0, t1 = window
+    inside = [s for s in steps if t0 <= s.start < t1]
+    out = {}
+    for name, m in (("s", 0), ("l", 1)):
+        mine = [len(s.rids) for s in inside if s.model == m]
+        out[f"{name}_batch"] = float(np.mean(mine)) if mine else 0.0
+        out[f"{name}_rate"] = len(mine) / (t1 - t0) if t1 > t0 else float("nan")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default=None, help="a prepared pair folder (pair.yaml, prepared.json); "
@@ -186,7 +199,7 @@ def main() -> int:
                     sent, cut, l_spans = r.sent, r.cut, send_runs(steps, 1).sent
                     lives = list(visit_runs(steps).values())
                 costs = runtime_costs(steps)
-                lat = latencies_from_trace(steps)
+                lat = latencies_from_trace(steps) | steady_steps(steps, res.steady_window)
                 runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput,
                              "tokens": res.output_tokens, "seconds": t1 - t0, "runs_sent": len(r.sent),
                              "runs_cut": len(r.cut), "costs": costs.to_dict(), **lat})
@@ -254,7 +267,9 @@ def predict(report: dict, sim_steps: int) -> None:
             if r.get("lives"):  # JSON from before lives were recorded has none
                 life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
-                           lives_error=life.throughput / (run["steady"] or float("nan")) - 1)
+                           lives_error=life.throughput / (run["steady"] or float("nan")) - 1,
+                           lives_s_batch=life.s_batch, lives_l_batch=life.l_batch,
+                           lives_s_rate=life.s_steps / life.seconds, lives_l_rate=life.l_steps / life.seconds)
             steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
@@ -301,6 +316,16 @@ def table(report: dict) -> None:
                      if "lives_model" in run else "(no lives recorded) | ")
                   + f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
+    print("\nWhere the lives replay differs from the run (measured in the steady window / replayed): mean batch "
+          "and steps per second")
+    print("| router | B | S batch | L batch | S steps/s | L steps/s |")
+    print("|---|---:|---|---|---|---|")
+    for kind, r in report["routers"].items():
+        for run in r["runs"]:
+            if "lives_s_batch" in run and "s_batch" in run:
+                print(f"| {kind} | {run['b']} | {run['s_batch']:.2f} / {run['lives_s_batch']:.2f} | "
+                      f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f} | {run['s_rate']:.1f} / {run['lives_s_rate']:.1f} | "
+                      f"{run['l_rate']:.1f} / {run['lives_l_rate']:.1f} |")
     print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")
     for kind, r in report["routers"].items():
         rule = r.get("launch_rule")

@@ -101,6 +101,9 @@ def test_simulator_replays_measured_lives_whole():
     # the same runs drawn one by one (both end in a send) put every fourth token on L, not every eighth
     drawn = simulate(1, 1, 0.01, 0.05, 0.0, gaps={2: 1, 4: 1}, overheads=ov, s_steps=8_000)
     assert drawn.l_tokens / (drawn.s_tokens + drawn.l_tokens) == pytest.approx(1 / 4, abs=0.005)
+    # the mean batches it reports: with B = N every L step takes all four requests
+    full = simulate(4, 4, 0.01, 0.05, 0.0, lives=[life, [(0, 2), (1, 1), (0, 7)]], overheads=ov, s_steps=8_000)
+    assert full.l_batch == 4.0 and r.s_batch == 1.0 and 1.0 < full.s_batch < 4.0
 
 
 def test_simulator_rejects_bad_lives():

@@ -84,8 +84,10 @@ class SimResult:
     s_tokens: int
     l_tokens: int
     seconds: float  # simulated time after warm-up
-    s_steps: int
+    s_steps: int  # after warm-up, as the tokens and seconds
     l_steps: int
+    s_batch: float  # mean batch of S's steps after warm-up (the rows it computed per step)
+    l_batch: float  # and of L's
     itl: np.ndarray  # inter-token latencies (seconds) after warm-up, a sample of at most `itl_keep`
 
     def itl_percentile(self, q: float) -> float:
@@ -186,7 +188,9 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     per_batch = max(1, (s_steps - warm_steps) // batches)
     tok_s = tok_l = 0
     n_s_steps = n_l_steps = 0
+    s_rows = l_rows = 0  # requests stepped, summed over steps
     t0 = tok_s0 = tok_l0 = None
+    s_rows0 = l_rows0 = n_l0 = 0
     eps = 1e-12
 
     while n_s_steps < s_steps:
@@ -226,14 +230,17 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             for i in leave:
                 l_left[i] = next_visit(i) if life is not None else draw_span()
             transit.extend((t + handoff, int(i)) for i in leave)
+            s_rows += len(s_batch)
             s_batch = None
             n_s_steps += 1
             if n_s_steps == warm_steps:
                 t0, tok_s0, tok_l0 = t, tok_s, tok_l
+                s_rows0, l_rows0, n_l0 = s_rows, l_rows, n_l_steps
             if n_s_steps > warm_steps and (n_s_steps - warm_steps) % per_batch == 0:
                 marks.append((t, tok_s + tok_l))
         if l_batch and l_rem <= eps * max(1.0, t):
             tok_l += len(l_batch)
+            l_rows += len(l_batch)
             n_l_steps += 1
             lb = np.array(l_batch)
             if n_s_steps >= warm_steps and itl_n < itl_keep:
@@ -273,5 +280,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     rates = [(b2 - b1) / (t2 - t1) for (t1, b1), (t2, b2) in zip(pts, pts[1:]) if t2 > t1]
     se = float(np.std(rates, ddof=1) / math.sqrt(len(rates))) if len(rates) > 1 else math.nan
     return SimResult(throughput=thr, stderr=se, s_tokens=tok_s - tok_s0, l_tokens=tok_l - tok_l0,
-                     seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps,
+                     seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps - n_l0,
+                     s_batch=(s_rows - s_rows0) / max(n_s_steps - warm_steps, 1),
+                     l_batch=(l_rows - l_rows0) / max(n_l_steps - n_l0, 1),
                      itl=np.concatenate(itl) if itl else np.zeros(0))
