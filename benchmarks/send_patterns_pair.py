@@ -107,6 +107,10 @@ def latencies_from_trace(steps: list[Step]) -> dict:
     alone = [s for s, o in zip(s_steps, ov) if o == 0.0]
     cs = step_fit(alone if len(alone) >= 10 else s_steps)
     cl = step_fit(l_steps)
+    # L's steps again on [1, rows] alone: its batch and the tokens its requests bring move together
+    # (each brings about the mean catch-up), so the three-term fit splits their cost arbitrarily
+    rows = np.array([[1.0, sum(s.extend_lens)] for s in l_steps])
+    cl_rows, *_ = np.linalg.lstsq(rows, np.array([s.end - s.start for s in l_steps]), rcond=None)
     stretch = sum((s.end - s.start) - (cs[0] + cs[1] * len(s.rids) + cs[2] * (sum(s.extend_lens) - len(s.rids)))
                   for s, o in zip(s_steps, ov) if o > 0)
     alpha = float(np.clip(stretch / ov.sum(), 0.0, 1.0)) if ov.sum() > 0 else 0.0
@@ -120,7 +124,7 @@ def latencies_from_trace(steps: list[Step]) -> dict:
         first = sum(n for r, n in zip(s.rids, s.extend_lens) if (s.model, r) not in seen)
         seen.update((s.model, r) for r in s.rids)
         prompt_secs += took * first / tokens if first > len(s.rids) and tokens else 0.0
-    return {"s_coef": cs.tolist(), "l_coef": cl.tolist(), "alpha": alpha, "s_alone_steps": len(alone),
+    return {"s_coef": cs.tolist(), "l_coef": cl.tolist(), "l_rows_coef": cl_rows.tolist(), "alpha": alpha, "s_alone_steps": len(alone),
             "s_steps": len(s_steps), "l_steps": len(l_steps), "first_visit_share": prompt_secs / total}
 
 
@@ -266,6 +270,12 @@ def predict(report: dict, sim_steps: int) -> None:
                            "chain with the measured catch-up")
             if r.get("lives"):  # JSON from before lives were recorded has none
                 life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps)
+                if "l_rows_coef" in run:  # L's cost per row, the same for a request's first row and its catch-up
+                    c0, c1 = run["l_rows_coef"]
+                    per_row = simulate(n, b, lat_s, (lambda k: c0 + c1 * k), run["alpha"], lives=r["lives"],
+                                       overheads=dataclasses.replace(ov, l_token=max(c1, 0.0)), s_steps=sim_steps)
+                    run.update(lives_rows_model=per_row.throughput,
+                               lives_rows_error=per_row.throughput / (run["steady"] or float("nan")) - 1)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
                            lives_error=life.throughput / (run["steady"] or float("nan")) - 1,
                            lives_s_batch=life.s_batch, lives_l_batch=life.l_batch,
@@ -316,6 +326,12 @@ def table(report: dict) -> None:
                      if "lives_model" in run else "(no lives recorded) | ")
                   + f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
+    print("\nThe lives replayed with L's step cost fitted per row alone, t_L = c0 + c1 x rows (error):")
+    for kind, r in report["routers"].items():
+        cells = [f"B={run['b']}: {run['lives_rows_model']:.1f} ({100 * run['lives_rows_error']:+.1f}%)"
+                 for run in r["runs"] if "lives_rows_model" in run]
+        if cells:
+            print(f"- {kind}: " + ", ".join(cells))
     print("\nWhere the lives replay differs from the run (measured in the steady window / replayed): mean batch "
           "and steps per second")
     print("| router | B | S batch | L batch | S steps/s | L steps/s |")
