@@ -28,7 +28,8 @@ the machine is shared, so a profile measured another time would not describe thi
 Then the continuous-time chain (tokenrouter/planner/continuous.py) with the fitted p (the geometric
 assumption), the simulator (tokenrouter/planner/sim.py) with the measured run-length distribution
 (Kaplan-Meier), the chain with the catch-up of the runs that sent, and the simulator replaying the
-measured requests' lives (each request's visits in order, from its first token to its last). No model has prompt prefill (a new request's prompt on S, and its first hand-off
+measured requests' lives (each request's visits in order, from its first token to its last). No model
+has prompt prefill (a new request's prompt on S, and its first hand-off
 bringing the whole prompt to L): the share of step time that prompt tokens took is printed beside.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
@@ -124,7 +125,8 @@ def latencies_from_trace(steps: list[Step]) -> dict:
         first = sum(n for r, n in zip(s.rids, s.extend_lens) if (s.model, r) not in seen)
         seen.update((s.model, r) for r in s.rids)
         prompt_secs += took * first / tokens if first > len(s.rids) and tokens else 0.0
-    return {"s_coef": cs.tolist(), "l_coef": cl.tolist(), "l_rows_coef": cl_rows.tolist(), "alpha": alpha, "s_alone_steps": len(alone),
+    return {"s_coef": cs.tolist(), "l_coef": cl.tolist(), "l_rows_coef": cl_rows.tolist(), "alpha": alpha,
+            "s_alone_steps": len(alone),
             "s_steps": len(s_steps), "l_steps": len(l_steps), "first_visit_share": prompt_secs / total}
 
 
@@ -250,8 +252,9 @@ def chain_at(n: int, p: float, b: int, lat_s, lat_l, alpha: float, ov: Overheads
 
 def predict(report: dict, sim_steps: int) -> None:
     """The planner's throughput for each measured run: the continuous chain with the fitted p, the
-    simulator with the measured run lengths, and the chain with the catch-up of the runs that sent, all
-    with the run's latencies read off its trace. The hand-off latency is the B = 1 run's when there is
+    simulator with the measured run lengths, the chain with the catch-up of the runs that sent, and the
+    simulator replaying the measured requests' lives (with L's three-term fit, and with L fitted per row
+    alone), all with the run's latencies read off its trace. The hand-off latency is the B = 1 run's when there is
     one: `runtime_costs` counts a hand-off's wait while L was idle, and with B > 1 an idle L also waits
     for the B-th request on purpose."""
     n = report["n"]
@@ -272,8 +275,9 @@ def predict(report: dict, sim_steps: int) -> None:
                 life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps)
                 if "l_rows_coef" in run:  # L's cost per row, the same for a request's first row and its catch-up
                     c0, c1 = run["l_rows_coef"]
-                    per_row = simulate(n, b, lat_s, (lambda k: c0 + c1 * k), run["alpha"], lives=r["lives"],
-                                       overheads=dataclasses.replace(ov, l_token=max(c1, 0.0)), s_steps=sim_steps)
+                    per_row = simulate(n, b, lat_s, (lambda k, c0=c0, c1=c1: c0 + c1 * k), run["alpha"],
+                                       lives=r["lives"], overheads=dataclasses.replace(ov, l_token=max(c1, 0.0)),
+                                       s_steps=sim_steps)
                     run.update(lives_rows_model=per_row.throughput,
                                lives_rows_error=per_row.throughput / (run["steady"] or float("nan")) - 1)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
@@ -311,7 +315,8 @@ def table(report: dict) -> None:
         knob = [v for k, v in r["threshold"].items() if k not in ("name", "router")][0]
         print(f"| {kind} | {knob:.4g} | {fit_cells(r['fit'])} |")
     print("\n| router | B | measured tok/s | geometric chain (error) | measured-runs simulator (error) | "
-          "chain, catch-up of the runs that sent (error) | measured lives replayed (error) | t_S(1), t_L(1) ms | alpha | "
+          "chain, catch-up of the runs that sent (error) | measured lives replayed (error) | t_S(1), t_L(1) ms | "
+          "alpha | "
           "first-visit share of step time |")
     print("|---|---:|---:|---|---|---|---|---|---:|---:|")
     for kind, r in report["routers"].items():
@@ -340,7 +345,8 @@ def table(report: dict) -> None:
         for run in r["runs"]:
             if "lives_s_batch" in run and "s_batch" in run:
                 print(f"| {kind} | {run['b']} | {run['s_batch']:.2f} / {run['lives_s_batch']:.2f} | "
-                      f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f} | {run['s_rate']:.1f} / {run['lives_s_rate']:.1f} | "
+                      f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f} | "
+                      f"{run['s_rate']:.1f} / {run['lives_s_rate']:.1f} | "
                       f"{run['l_rate']:.1f} / {run['lives_l_rate']:.1f} |")
     print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")
     for kind, r in report["routers"].items():

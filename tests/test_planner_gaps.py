@@ -101,6 +101,17 @@ def test_simulator_replays_measured_lives_whole():
     # the same runs drawn one by one (both end in a send) put every fourth token on L, not every eighth
     drawn = simulate(1, 1, 0.01, 0.05, 0.0, gaps={2: 1, 4: 1}, overheads=ov, s_steps=8_000)
     assert drawn.l_tokens / (drawn.s_tokens + drawn.l_tokens) == pytest.approx(1 / 4, abs=0.005)
+    # a life that ends on L, with spans of two and three tokens: S 2 + L 2 + S 3 + L 3 = 10 tokens in
+    # 7 S steps and 5 L steps; L feeds 2 then 3 tokens; S takes back one extra token after the span of 2
+    ends_on_l = [(0, 3), (1, 2), (0, 4), (1, 3)]
+    costs = Overheads(l_token=0.004, s_token=0.002)
+    e = simulate(1, 1, 0.01, 0.05, 0.0, lives=[ends_on_l], overheads=costs, s_steps=7_000)
+    assert e.throughput == pytest.approx(10 / (7 * 0.01 + 5 * 0.05 + (2 + 3) * 0.004 + 0.002), rel=0.002)
+    assert e.l_tokens / (e.s_tokens + e.l_tokens) == pytest.approx(0.5, abs=0.002)
+    assert e.l_steps / e.s_steps == pytest.approx(5 / 7, rel=0.005)
+    # no gap between two requests' tokens counts: the longest is a send (S step, L step fed 3 tokens)
+    assert e.itl.max() == pytest.approx(0.01 + 0.05 + 3 * 0.004)
+    assert len(e.itl) / (e.s_tokens + e.l_tokens) == pytest.approx(0.9, abs=0.002)
     # the mean batches it reports: with B = N every L step takes all four requests
     full = simulate(4, 4, 0.01, 0.05, 0.0, lives=[life, [(0, 2), (1, 1), (0, 7)]], overheads=ov, s_steps=8_000)
     assert full.l_batch == 4.0 and r.s_batch == 1.0 and 1.0 < full.s_batch < 4.0
@@ -113,6 +124,8 @@ def test_simulator_rejects_bad_lives():
         simulate(2, 1, 0.01, 0.05, lives=[[(0, 2)], [(1, 1), (0, 2)]])
     with pytest.raises(ValueError, match=r"lives\[0\]"):
         simulate(2, 1, 0.01, 0.05, lives=[[(0, 0)]])
+    with pytest.raises(ValueError, match=r"lives\[0\]"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 2.5)]])
     with pytest.raises(ValueError, match="no spans or q_l"):
         simulate(2, 1, 0.01, 0.05, lives=[[(0, 2)]], q_l=0.5)
 

@@ -26,7 +26,8 @@ sends every 5.8 steps on average while it sends, then ends in an S run of 30 ste
 nothing. `lives` replays that: each life is one measured request's visits in order, (model, steps)
 with model 0 = S and 1 = L (tokenrouter.engine.step_trace.visit_runs); a request runs its life's
 visits, its last visit ends it (its last token kept), and the closed loop replaces it at once with
-a life drawn at random, starting on S (prompts are not modelled).
+a life drawn at random, starting on S (prompts are not modelled). An S visit of k steps that sends is
+a gap of k - 1 tokens, an L visit of m steps a span of m, and a life's last visit keeps every token.
 
 The result is a throughput estimate with a standard error (batch means), not an exact value, and
 the inter-token latencies it saw (each request's time between two of its tokens: an S step's end
@@ -69,11 +70,12 @@ def _check_lives(lives: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]
         raise ValueError("lives: at least one measured request is needed")
     out = []
     for j, v in enumerate(lives):
-        models = [int(m) for m, _ in v]
-        steps = np.array([int(k) for _, k in v], dtype=np.int64)
-        if not models or models[0] != 0 or any(m != i % 2 for i, m in enumerate(models)) or (steps < 1).any():
+        models = [m for m, _ in v]
+        steps = np.array([k for _, k in v], dtype=float)
+        if (not models or models[0] != 0 or any(m != i % 2 for i, m in enumerate(models)) or (steps < 1).any()
+                or (steps != np.round(steps)).any()):
             raise ValueError(f"lives[{j}]: visits must alternate S (0) and L (1) from S, each >= 1 step, got {list(v)}")
-        out.append(steps)
+        out.append(steps.astype(np.int64))
     return out
 
 
@@ -85,7 +87,7 @@ class SimResult:
     l_tokens: int
     seconds: float  # simulated time after warm-up
     s_steps: int  # after warm-up, as the tokens and seconds
-    l_steps: int
+    l_steps: int  # after warm-up
     s_batch: float  # mean batch of S's steps after warm-up (the rows it computed per step)
     l_batch: float  # and of L's
     itl: np.ndarray  # inter-token latencies (seconds) after warm-up, a sample of at most `itl_keep`
@@ -122,7 +124,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     big = 1 << 60
 
     if lives is not None:
-        life_steps = _check_lives(lives)  # every run comes from a life: nothing to draw
+        life_steps = _check_lives(lives)  # runs and spans come from the lives; only which life is drawn
     elif gaps is not None:
         gv, gp = parse_histogram(gaps)
 
@@ -149,7 +151,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             return int(rng.geometric(1.0 - q_l)) if q_l > 0 else 1
 
     life = rng.integers(len(lives), size=n) if lives is not None else None  # each request's life
-    pos = np.zeros(n, dtype=np.int64)  # and its visit in it
+    pos = np.zeros(n, dtype=np.int64)  # and its visit in it (unused without lives)
     s_left = (np.array([life_steps[j][0] for j in life], dtype=np.int64) if lives is not None
               else draw_gap(n).astype(np.int64))  # S steps left before the hand-off, per request
     catch = s_left - 1  # tokens S keeps in the current gap: L feeds them with the hand-off
@@ -158,7 +160,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         return life is not None and pos[i] == len(life_steps[life[i]]) - 1
 
     def next_visit(i: int) -> int:
-        """Steps of request i's next visit: the next one of its life, or a fresh draw."""
+        """Steps of request i's next visit in its life."""
         pos[i] += 1
         return int(life_steps[life[i]][pos[i]])
 
@@ -213,8 +215,9 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         if s_batch is not None and s_rem <= eps * max(1.0, t):
             s_left[s_batch] -= 1
             stay_mask = s_left[s_batch] > 0
-            ending = [int(i) for i in s_batch[~stay_mask] if last_visit(i)]
-            stay_mask[np.isin(s_batch, ending)] = True  # a request's last S step keeps its token
+            ending = [int(i) for i in s_batch[~stay_mask] if last_visit(i)] if life is not None else []
+            if ending:
+                stay_mask[np.isin(s_batch, ending)] = True  # a request's last S step keeps its token
             leave = s_batch[~stay_mask]
             tok_s += len(s_batch) - len(leave)
             if n_s_steps >= warm_steps and itl_n < itl_keep:
