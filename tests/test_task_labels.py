@@ -142,6 +142,19 @@ def test_outcome_labels_are_the_continuations_answers(pair_paths, hf_pair):
         labeller(torch.tensor([0]), torch.tensor([0]), torch.tensor([1]))
 
 
+def test_answers_from_worker_processes_are_the_answers_of_one(pair_paths):
+    """Sharded across two worker processes, in shards smaller than the prompts, the outputs come back
+    in the prompts' order, token for token what one process writes (greedy, per-prompt caps)."""
+    from tokenrouter.sampling_params import SamplingParams
+
+    prompts = [[1 + (7 * i + j) % 200 for j in range(3 + i % 5)] for i in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=2 + i % 4) for i in range(10)]
+    one = large_answers.generate(pair_paths["large"], prompts, params, progress=False, workers=1)
+    two = large_answers.generate(pair_paths["large"], prompts, params, progress=False, workers=2, shard=3)
+    assert [list(o.outputs[0].token_ids) for o in two] == [list(o.outputs[0].token_ids) for o in one]
+    assert [o.prompt_token_ids for o in two] == prompts
+
+
 def test_features_keep_answer_rows_and_take_outcome_labels(hf_pair):
     small, large = hf_pair["small"], hf_pair["large"]
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]

@@ -10,10 +10,15 @@ the ids the routers are labelled on are the ids the large model wrote).
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from tokenrouter.sampling_params import SamplingParams
 
@@ -40,23 +45,63 @@ def answer(large: str | Path, task: str, prompts: Sequence[list[int]], max_token
     return [Exchange(task, list(p), list(o.outputs[0].token_ids), o.outputs[0].text) for p, o in zip(prompts, outs)]
 
 
+MIN_SHARD = 64  # prompts: one full batch; fewer are answered in this process (no worker start-up)
+
+
 def generate(model: str | Path, prompts: list[list[int]], params: list[SamplingParams], progress: bool,
-             max_running_requests: int = 64) -> list[Any]:
-    """`model` answers `prompts` on our engine with one torch thread, as a serving process runs:
-    prepare trains with every core, and a decode step on two threads of a shared machine runs several
-    times slower than on one (docs/DEPLOYMENT.md)."""
+             max_running_requests: int = 64, workers: int | None = None, shard: int | None = None) -> list[Any]:
+    """`model` answers `prompts` on our engine with one torch thread per process, as a serving process
+    runs: prepare trains with every core, and a decode step on two threads of a shared machine runs
+    several times slower than on one (docs/DEPLOYMENT.md). With two shards' worth of prompts or more,
+    `workers` processes (default: one per core) each load the model and answer shards (default: four
+    per worker, at least MIN_SHARD prompts each, so the last shards to finish are short), and no core
+    idles (the engine's decode products are single-threaded C); outputs come back in the prompts'
+    order, and the bar counts answered prompts."""
+    import torch
+
+    workers = workers or os.cpu_count() or 1
+    shard = shard or max(MIN_SHARD, -(-len(prompts) // (4 * workers)))
+    workers = min(workers, -(-len(prompts) // shard))
+    if workers <= 1:
+        from tokenrouter.llm import LLM
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        llm = LLM(str(model), max_running_requests=max_running_requests)
+        try:
+            return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=progress)
+        finally:
+            llm.engine.shutdown()
+            torch.set_num_threads(before)
+    outs: list[Any] = [None] * len(prompts)
+    starts = range(0, len(prompts), shard)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_load_worker,
+                             initargs=(str(model), max_running_requests)) as pool, \
+            tqdm(total=len(prompts), desc="generate", unit="req", disable=not progress) as bar:
+        futures = {pool.submit(_answer_shard, prompts[i:i + shard], params[i:i + shard]): i for i in starts}
+        for fut in as_completed(futures):
+            i = futures[fut]
+            part = fut.result()
+            outs[i:i + len(part)] = part
+            bar.update(len(part))
+    return outs
+
+
+_worker_llm: Any = None  # the model a generate worker process loaded (one per process)
+
+
+def _load_worker(model: str, max_running_requests: int) -> None:
     import torch
 
     from tokenrouter.llm import LLM
 
-    before = torch.get_num_threads()
+    global _worker_llm
     torch.set_num_threads(1)
-    llm = LLM(str(model), max_running_requests=max_running_requests)
-    try:
-        return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=progress)
-    finally:
-        llm.engine.shutdown()
-        torch.set_num_threads(before)
+    _worker_llm = LLM(model, max_running_requests=max_running_requests)
+
+
+def _answer_shard(prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
+    return _worker_llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 
 
 def save(exchanges: Sequence[Exchange], path: Path) -> None:
