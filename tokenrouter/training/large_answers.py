@@ -45,23 +45,27 @@ def answer(large: str | Path, task: str, prompts: Sequence[list[int]], max_token
     return [Exchange(task, list(p), list(o.outputs[0].token_ids), o.outputs[0].text) for p, o in zip(prompts, outs)]
 
 
-MIN_SHARD = 64  # prompts: one full batch; fewer are answered in this process (no worker start-up)
+# Prompts per worker below which the answers stay in this process: a worker's start-up (torch, the
+# model) costs several seconds, which made CI's reduced prepare 15 s slower with 64.
+MIN_SHARD = 256
 
 
 def generate(model: str | Path, prompts: list[list[int]], params: list[SamplingParams], progress: bool,
              max_running_requests: int = 64, workers: int | None = None, shard: int | None = None) -> list[Any]:
     """`model` answers `prompts` on our engine with one torch thread per process, as a serving process
     runs: prepare trains with every core, and a decode step on two threads of a shared machine runs
-    several times slower than on one (docs/DEPLOYMENT.md). With two shards' worth of prompts or more,
-    `workers` processes (default: one per core) each load the model and answer shards (default: four
-    per worker, at least MIN_SHARD prompts each, so the last shards to finish are short), and no core
-    idles (the engine's decode products are single-threaded C); outputs come back in the prompts'
-    order, and the bar counts answered prompts."""
+    several times slower than on one (docs/DEPLOYMENT.md). With at least MIN_SHARD prompts per
+    worker, `workers` processes (default: one per core) each load the model and answer equal shards
+    (up to four per worker, at least MIN_SHARD prompts each, so the last to finish are short), and no
+    core idles (the engine's decode products are single-threaded C); outputs come back in the
+    prompts' order, and the bar counts answered prompts. `shard` sets the shard size instead."""
     import torch
 
     workers = workers or os.cpu_count() or 1
-    shard = shard or max(MIN_SHARD, -(-len(prompts) // (4 * workers)))
-    workers = min(workers, -(-len(prompts) // shard))
+    if shard is None:
+        per_worker = min(4, len(prompts) // (MIN_SHARD * workers))
+        shard = -(-len(prompts) // (workers * per_worker)) if per_worker else len(prompts)
+    workers = min(workers, -(-len(prompts) // max(shard, 1)))
     if workers <= 1:
         from tokenrouter.llm import LLM
 
