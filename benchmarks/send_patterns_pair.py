@@ -254,8 +254,8 @@ def predict(report: dict, sim_steps: int) -> None:
     """The planner's throughput for each measured run: the continuous chain with the fitted p, the
     simulator with the measured run lengths, the chain with the catch-up of the runs that sent, and the
     simulator replaying the measured requests' lives (with L's three-term fit, and with L fitted per row
-    alone), all with the run's latencies read off its trace. The hand-off latency is the B = 1 run's when there is
-    one: `runtime_costs` counts a hand-off's wait while L was idle, and with B > 1 an idle L also waits
+    alone), all with the run's latencies read off its trace. The hand-off latency is the B = 1 run's
+    when there is one: `runtime_costs` counts a hand-off's wait while L was idle, and with B > 1 an idle L also waits
     for the B-th request on purpose."""
     n = report["n"]
     for r in report["routers"].values():
@@ -271,6 +271,7 @@ def predict(report: dict, sim_steps: int) -> None:
             sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps)
             cut = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], dataclasses.replace(ov, catchup=catchup),
                            "chain with the measured catch-up")
+            steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             if r.get("lives"):  # JSON from before lives were recorded has none
                 life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps)
                 if "l_rows_coef" in run:  # L's cost per row, the same for a request's first row and its catch-up
@@ -279,12 +280,11 @@ def predict(report: dict, sim_steps: int) -> None:
                                        lives=r["lives"], overheads=dataclasses.replace(ov, l_token=max(c1, 0.0)),
                                        s_steps=sim_steps)
                     run.update(lives_rows_model=per_row.throughput,
-                               lives_rows_error=per_row.throughput / (run["steady"] or float("nan")) - 1)
+                               lives_rows_error=per_row.throughput / steady - 1)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
-                           lives_error=life.throughput / (run["steady"] or float("nan")) - 1,
+                           lives_error=life.throughput / steady - 1,
                            lives_s_batch=life.s_batch, lives_l_batch=life.l_batch,
                            lives_s_rate=life.s_steps / life.seconds, lives_l_rate=life.l_steps / life.seconds)
-            steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
                        measured_runs_error=sim.throughput / steady - 1, catchup_chain=cut,
@@ -316,8 +316,7 @@ def table(report: dict) -> None:
         print(f"| {kind} | {knob:.4g} | {fit_cells(r['fit'])} |")
     print("\n| router | B | measured tok/s | geometric chain (error) | measured-runs simulator (error) | "
           "chain, catch-up of the runs that sent (error) | measured lives replayed (error) | t_S(1), t_L(1) ms | "
-          "alpha | "
-          "first-visit share of step time |")
+          "alpha | first-visit share of step time |")
     print("|---|---:|---:|---|---|---|---|---|---:|---:|")
     for kind, r in report["routers"].items():
         for run in r["runs"]:

@@ -74,7 +74,8 @@ def _check_lives(lives: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]
         steps = np.array([k for _, k in v], dtype=float)
         if (not models or models[0] != 0 or any(m != i % 2 for i, m in enumerate(models)) or (steps < 1).any()
                 or (steps != np.round(steps)).any()):
-            raise ValueError(f"lives[{j}]: visits must alternate S (0) and L (1) from S, each >= 1 step, got {list(v)}")
+            raise ValueError(f"lives[{j}]: visits must alternate S (0) and L (1) from S, each >= 1 step, "
+                             f"got {list(v)}")
         out.append(steps.astype(np.int64))
     return out
 

@@ -67,11 +67,8 @@ def generate(model: str | Path, prompts: list[list[int]], params: list[SamplingP
         shard = -(-len(prompts) // (workers * per_worker)) if per_worker else len(prompts)
     workers = min(workers, -(-len(prompts) // max(shard, 1)))
     if workers <= 1:
-        from tokenrouter.llm import LLM
-
         before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        llm = LLM(str(model), max_running_requests=max_running_requests)
+        llm = _one_thread_llm(str(model), max_running_requests)
         try:
             return llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=progress)
         finally:
@@ -94,14 +91,18 @@ def generate(model: str | Path, prompts: list[list[int]], params: list[SamplingP
 _worker_llm: Any = None  # the model a generate worker process loaded (one per process)
 
 
-def _load_worker(model: str, max_running_requests: int) -> None:
+def _one_thread_llm(model: str, max_running_requests: int) -> Any:
     import torch
 
     from tokenrouter.llm import LLM
 
-    global _worker_llm
     torch.set_num_threads(1)
-    _worker_llm = LLM(model, max_running_requests=max_running_requests)
+    return LLM(model, max_running_requests=max_running_requests)
+
+
+def _load_worker(model: str, max_running_requests: int) -> None:
+    global _worker_llm
+    _worker_llm = _one_thread_llm(model, max_running_requests)
 
 
 def _answer_shard(prompts: list[list[int]], params: list[SamplingParams]) -> list[Any]:
