@@ -28,9 +28,13 @@ the machine is shared, so a profile measured another time would not describe thi
 Then the continuous-time chain (tokenrouter/planner/continuous.py) with the fitted p (the geometric
 assumption), the simulator (tokenrouter/planner/sim.py) with the measured run-length distribution
 (Kaplan-Meier), the chain with the catch-up of the runs that sent, and the simulator replaying the
-measured requests' lives (each request's visits in order, from its first token to its last). No model
-has prompt prefill (a new request's prompt on S, and its first hand-off
-bringing the whole prompt to L): the share of step time that prompt tokens took is printed beside.
+measured requests' lives (each request's visits in order, from its first token to its last, each
+visit charged the tokens its first step computed, as measured: after the warm-up pass a first visit
+to L finds the prompt and the answer's first tokens in L's prefix cache). The chains and the
+histogram simulator have no prompt prefill (a new request's prompt on S, and its first hand-off
+bringing the whole prompt to L): the share of step time that first visits took is printed beside.
+Then where the requests are, measured and replayed (tokenrouter.engine.step_trace.request_legs), and
+L's step as requests live through it.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
         --max-tokens 64 --b 1,2,4 --plot docs/bench/send_patterns_pair.png --out docs/bench/send_patterns_pair.json
@@ -54,11 +58,11 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import Step, read_trace, runtime_costs, send_runs, visit_runs
+from tokenrouter.engine.step_trace import Step, read_trace, request_legs, runtime_costs, send_runs, visit_runs
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs
-from tokenrouter.planner.sim import simulate
+from tokenrouter.planner.sim import LEGS, simulate
 from tokenrouter.runtime.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import SetThresholds
@@ -106,7 +110,10 @@ def latencies_from_trace(steps: list[Step]) -> dict:
     l_iv = np.array([(s.start, s.end) for s in l_steps])
     ov = np.array([overlaps(s, l_iv) for s in s_steps])
     alone = [s for s, o in zip(s_steps, ov) if o == 0.0]
-    cs = step_fit(alone if len(alone) >= 10 else s_steps)
+    cs = step_fit(alone) if len(alone) >= 10 else None
+    top = max(len(s.rids) for s in s_steps)
+    if cs is None or min(cs[0] + cs[1], cs[0] + cs[1] * top) <= 0:
+        cs = step_fit(s_steps)  # too few S steps without L beside them, or too scattered: every S step
     cl = step_fit(l_steps)
     # L's steps again on [1, rows] alone: its batch and the tokens its requests bring move together
     # (each brings about the mean catch-up), so the three-term fit splits their cost arbitrarily
@@ -130,9 +137,11 @@ def latencies_from_trace(steps: list[Step]) -> dict:
             "s_steps": len(s_steps), "l_steps": len(l_steps), "first_visit_share": prompt_secs / total}
 
 
-def steady_steps(steps: list[Step], window: tuple[float, float]) -> dict:
+def steady_steps(steps: list[Step], window: tuple[float, float], l_coef: list[float]) -> dict:
     """Each model's mean batch and steps per second over the steps that began inside the run's steady
-    window (all N requests live), the quantities the simulator reports for its closed system."""
+    window (all N requests live), the quantities the simulator reports for its closed system; and L's
+    step there, weighted by its batch (as requests live through it), measured and as the run's
+    three-term fit `l_coef` puts it, with the tokens beyond one per request it computed."""
     t0, t1 = window
     inside = [s for s in steps if t0 <= s.start < t1]
     out = {}
@@ -140,6 +149,14 @@ def steady_steps(steps: list[Step], window: tuple[float, float]) -> dict:
         mine = [len(s.rids) for s in inside if s.model == m]
         out[f"{name}_batch"] = float(np.mean(mine)) if mine else 0.0
         out[f"{name}_rate"] = len(mine) / (t1 - t0) if t1 > t0 else float("nan")
+    ls = [s for s in inside if s.model == 1]
+    if ls:
+        b = np.array([len(s.rids) for s in ls], dtype=float)
+        extra = np.array([sum(s.extend_lens) for s in ls]) - b
+        took = np.array([s.end - s.start for s in ls])
+        fitted = l_coef[0] + l_coef[1] * b + l_coef[2] * extra
+        out.update(l_step_weighted=float(b @ took / b.sum()), l_fit_weighted=float(b @ fitted / b.sum()),
+                   l_extra_per_step=float(extra.mean()))
     return out
 
 
@@ -158,14 +175,18 @@ def main() -> int:
     ap.add_argument("--sim-steps", type=int, default=40_000)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--report", default=None, help="print the tables (and --plot) of an --out JSON, run nothing")
+    ap.add_argument("--report", default=None, help="print the tables (and --plot) of an --out JSON, run nothing; "
+                    "several, comma-separated: each one's tables, then the errors of the mean prediction across them")
     args = ap.parse_args()
     if args.report:
-        report = json.loads(Path(args.report).read_text())
-        predict(report, args.sim_steps)
-        table(report)
+        reports = [json.loads(Path(f).read_text()) for f in args.report.split(",")]
+        for report in reports:
+            predict(report, args.sim_steps)
+            table(report)
+        if len(reports) > 1:
+            across(reports)
         if args.plot:
-            draw(report, args.plot)
+            draw(reports[-1], args.plot)
         return 0
     torch.set_num_threads(1)
     folder = Path(args.pair) if args.pair else default_pair_config().parent
@@ -189,7 +210,7 @@ def main() -> int:
         sent: list[int] = []
         cut: list[int] = []
         l_spans: list[int] = []
-        lives: list[list[tuple[int, int]]] = []
+        lives: list[list[tuple[int, int, int]]] = []
         try:
             if args.warmup:  # the same prompts run once, unmeasured: every measured run finds them in both
                 # models' prefix caches (the first run would otherwise pay the prompts' prefill alone)
@@ -205,7 +226,10 @@ def main() -> int:
                     sent, cut, l_spans = r.sent, r.cut, send_runs(steps, 1).sent
                     lives = list(visit_runs(steps).values())
                 costs = runtime_costs(steps)
-                lat = latencies_from_trace(steps) | steady_steps(steps, res.steady_window)
+                lat = latencies_from_trace(steps)
+                lat |= steady_steps(steps, res.steady_window, lat["l_coef"])
+                if res.steady_window[1] > res.steady_window[0]:
+                    lat["legs"] = request_legs(steps, *res.steady_window)
                 runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput,
                              "tokens": res.output_tokens, "seconds": t1 - t0, "runs_sent": len(r.sent),
                              "runs_cut": len(r.cut), "costs": costs.to_dict(), **lat})
@@ -281,9 +305,20 @@ def predict(report: dict, sim_steps: int) -> None:
                                        s_steps=sim_steps)
                     run.update(lives_rows_model=per_row.throughput,
                                lives_rows_error=per_row.throughput / steady - 1)
+                if len(r["lives"][0][0]) == 3:  # what each visit fed, measured: replay again without it,
+                    # and the chain given the mean that L's visits fed in place of the runs' catch-up
+                    fed = float(np.mean([x[2] for v in r["lives"] for x in v if x[0] == 1]))
+                    run.update(fed_tokens=fed, fed_chain=chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"],
+                                                                  dataclasses.replace(ov, catchup=fed),
+                                                                  "chain with what L's visits fed"))
+                    run["fed_chain_error"] = run["fed_chain"] / steady - 1
+                    gaps_only = simulate(n, b, lat_s, lat_l, run["alpha"], lives=[[x[:2] for x in v] for v in r["lives"]],
+                                         overheads=ov, s_steps=sim_steps)
+                    run.update(lives_gaps_model=gaps_only.throughput, lives_gaps_error=gaps_only.throughput / steady - 1)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
                            lives_error=life.throughput / steady - 1,
-                           lives_s_batch=life.s_batch, lives_l_batch=life.l_batch,
+                           lives_s_batch=life.s_batch, lives_l_batch=life.l_batch, lives_legs=life.legs,
+                           lives_l_fed=life.l_fed,
                            lives_s_rate=life.s_steps / life.seconds, lives_l_rate=life.l_steps / life.seconds)
             run.update(handoff_used=ov.handoff, geometric_chain=geo, measured_runs_model=sim.throughput,
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
@@ -330,6 +365,18 @@ def table(report: dict) -> None:
                      if "lives_model" in run else "(no lives recorded) | ")
                   + f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
+    print("\nThe lives replayed charging each visit its gap's or span's catch-up, not what it fed (error):")
+    for kind, r in report["routers"].items():
+        cells = [f"B={run['b']}: {run['lives_gaps_model']:.1f} ({100 * run['lives_gaps_error']:+.1f}%)"
+                 for run in r["runs"] if "lives_gaps_model" in run]
+        if cells:
+            print(f"- {kind}: " + ", ".join(cells))
+    print("\nThe chain given the tokens beyond one that L's visits fed, as measured, for the catch-up (error):")
+    for kind, r in report["routers"].items():
+        cells = [f"B={run['b']}: {run['fed_chain']:.1f} ({100 * run['fed_chain_error']:+.1f}%)"
+                 for run in r["runs"] if "fed_chain" in run]
+        if cells:
+            print(f"- {kind} ({r['runs'][0]['fed_tokens']:.1f} tokens a visit): " + ", ".join(cells))
     print("\nThe lives replayed with L's step cost fitted per row alone, t_L = c0 + c1 x rows (error):")
     for kind, r in report["routers"].items():
         cells = [f"B={run['b']}: {run['lives_rows_model']:.1f} ({100 * run['lives_rows_error']:+.1f}%)"
@@ -347,6 +394,28 @@ def table(report: dict) -> None:
                       f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f} | "
                       f"{run['s_rate']:.1f} / {run['lives_s_rate']:.1f} | "
                       f"{run['l_rate']:.1f} / {run['lives_l_rate']:.1f} |")
+    print("\nWhere the requests are: mean requests in each leg (tokenrouter.planner.sim.LEGS), measured in the "
+          "steady window / replayed; outside: live but in no leg (admitted, not yet stepped)")
+    print("| router | B | " + " | ".join(LEGS) + " | outside |")
+    print("|---|---:|" + "---|" * (len(LEGS) + 1))
+    for kind, r in report["routers"].items():
+        for run in r["runs"]:
+            if "legs" in run and "lives_legs" in run:
+                m, p = run["legs"], run["lives_legs"]
+                print(f"| {kind} | {run['b']} | " + " | ".join(f"{m[k]:.2f} / {p[k]:.2f}" for k in LEGS)
+                      + f" | {report['n'] - sum(m.values()):.2f} |")
+    print("\nL's step as requests live through it (weighted by its batch), ms: measured in the steady window / "
+          "the run's fit on those steps / replayed (at B > 1 also holding requests queued between two steps of a span); "
+          "and the tokens beyond one per request an L step computed, "
+          "measured / replayed")
+    print("| router | B | L step ms | tokens beyond one per request |")
+    print("|---|---:|---|---|")
+    for kind, r in report["routers"].items():
+        for run in r["runs"]:
+            if "l_step_weighted" in run and "lives_legs" in run:
+                replayed = run["lives_legs"]["on_l"] / (run["lives_l_batch"] * run["lives_l_rate"])
+                print(f"| {kind} | {run['b']} | {1e3 * run['l_step_weighted']:.1f} / {1e3 * run['l_fit_weighted']:.1f} / "
+                      f"{1e3 * replayed:.1f} | {run['l_extra_per_step']:.1f} / {run['lives_l_fed']:.1f} |")
     print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")
     for kind, r in report["routers"].items():
         rule = r.get("launch_rule")
@@ -359,6 +428,27 @@ def table(report: dict) -> None:
         print(f"- {kind}: the planner picks B = {rule['planned_b']} ({rule['planned_tok_s']:.1f} tok/s predicted); "
               f"fastest measured B = {rule['fastest_measured_b']} ({rule['fastest_measured_tok_s']:.1f} tok/s); {cells}")
 
+
+
+def across(reports: list[dict]) -> None:
+    """Runs of the same command: the error of the mean prediction against the mean measured
+    throughput, per router and B, and the spread of the measurement itself ((max - min) / mean)."""
+    cols = (("geometric_chain", "geometric chain"), ("catchup_chain", "chain, catch-up of the runs that sent"),
+            ("fed_chain", "chain, what L's visits fed"), ("lives_gaps_model", "lives replayed, gaps' catch-up"),
+            ("lives_model", "lives replayed, what each visit fed"))
+    print(f"\nAcross {len(reports)} runs: error of the mean prediction against the mean measured throughput")
+    print("| router | B | measured tok/s | " + " | ".join(name for _, name in cols) + " | spread of the measurement |")
+    print("|---|---:|---|" + "---:|" * (len(cols) + 1))
+    for kind in reports[0]["routers"]:
+        for i, run in enumerate(reports[0]["routers"][kind]["runs"]):
+            same = [rep["routers"][kind]["runs"][i] for rep in reports]
+            steady = np.array([r["steady"] for r in same])
+            cells = []
+            for key, _ in cols:
+                vals = np.array([r.get(key, np.nan) for r in same], dtype=float)
+                cells.append(f"{100 * (np.mean(vals) / steady.mean() - 1):+.1f} %" if np.isfinite(vals).all() else "n/a")
+            print(f"| {kind} | {run['b']} | " + ", ".join(f"{v:.1f}" for v in steady) + " | " + " | ".join(cells)
+                  + f" | {100 * np.ptp(steady) / steady.mean():.0f} % |")
 
 
 def draw(report: dict, out: str) -> None:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tokenrouter.engine.step_trace import Step, latency_ratio, send_runs, visit_runs
+from tokenrouter.engine.step_trace import Step, latency_ratio, request_legs, send_runs, visit_runs
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.chain import best_thresholds
 from tokenrouter.planner import controller
@@ -57,7 +57,8 @@ def test_runs_from_a_trace():
     steps = [Step(0, 0, 1, ["a", "b"], [4, 4]), Step(0, 1, 2, ["a", "b"], [1, 1]),  # a sends after 2
              Step(1, 2, 3, ["a"], [3]), Step(0, 3, 4, ["a", "b"], [1, 1]),  # b runs on: cut at its end
              Step(0, 4, 5, ["a"], [1])]
-    assert visit_runs(steps) == {"a": [(0, 2), (1, 1), (0, 2)], "b": [(0, 3)]}
+    # fed: what each visit's first step computed beyond one token (the prompt, then the catch-up)
+    assert visit_runs(steps) == {"a": [(0, 2, 3), (1, 1, 2), (0, 2, 0)], "b": [(0, 3, 3)]}
     runs = send_runs(steps, 0)
     assert runs.sent == [2] and sorted(runs.cut) == [2, 3]
     assert send_runs(steps, 1).sent == [1]
@@ -112,9 +113,51 @@ def test_simulator_replays_measured_lives_whole():
     # no gap between two requests' tokens counts: the longest is a send (S step, L step fed 3 tokens)
     assert e.itl.max() == pytest.approx(0.01 + 0.05 + 3 * 0.004)
     assert len(e.itl) / (e.s_tokens + e.l_tokens) == pytest.approx(0.9, abs=0.002)
+    # with what each visit fed, as measured, the steps are charged that instead: L is fed 7 tokens
+    # (its prefix cache held none of the prompt), S's first step 10 (the prompt), S after L nothing
+    fed = simulate(1, 1, 0.01, 0.05, 0.0, lives=[[(0, 3, 10), (1, 1, 7), (0, 5, 0)]], overheads=costs,
+                   s_steps=8_000)
+    assert fed.throughput == pytest.approx(8 / (8 * 0.01 + 0.05 + 7 * 0.004 + 10 * 0.002), rel=0.002)
+    # a first visit that L's prefix cache mostly held feeds it less than the gap S wrote; S's second
+    # visit is charged the 3 tokens it was fed, not the span's one beyond the first
+    cached = simulate(1, 1, 0.01, 0.05, 0.0, lives=[[(0, 3, 0), (1, 2, 0), (0, 4, 3), (1, 3, 3)]],
+                      overheads=costs, s_steps=7_000)
+    assert cached.throughput == pytest.approx(10 / (7 * 0.01 + 5 * 0.05 + 3 * 0.004 + 3 * 0.002), rel=0.002)
     # the mean batches it reports: with B = N every L step takes all four requests
     full = simulate(4, 4, 0.01, 0.05, 0.0, lives=[life, [(0, 2), (1, 1), (0, 7)]], overheads=ov, s_steps=8_000)
     assert full.l_batch == 4.0 and r.s_batch == 1.0 and 1.0 < full.s_batch < 4.0
+
+
+def test_legs_read_off_a_trace():
+    # a: S, S (sends), 0.5 s to L, one L step of 1.5 s, 0.5 s back, S; b: four S steps, a 0.3 s gap, S
+    steps = [Step(0, 0, 1, ["a", "b"], [9, 9]), Step(0, 1, 2, ["a", "b"], [1, 1]), Step(0, 2, 3, ["b"], [1]),
+             Step(1, 2.5, 4, ["a"], [2]), Step(0, 3, 4.2, ["b"], [1]), Step(0, 4.5, 5, ["a", "b"], [1, 1])]
+    legs = request_legs(steps, 0.0, 5.0)
+    assert legs == pytest.approx({"on_s": (2.5 + 5.0) / 5, "to_l": 0.1, "on_l": 0.3, "back_to_s": 0.1})
+    # a window cuts the legs at its edges; what lies outside it does not count
+    legs = request_legs(steps, 1.5, 4.25)
+    assert legs == pytest.approx({"on_s": 3.25 / 2.75, "to_l": 0.5 / 2.75, "on_l": 1.5 / 2.75,
+                                  "back_to_s": 0.25 / 2.75})
+    with pytest.raises(ValueError, match="empty window"):
+        request_legs(steps, 2.0, 2.0)
+
+
+def test_simulator_legs():
+    # one request: 3 S steps, 5 ms to L, 2 L steps, a new life at S: the cycle's time in each leg
+    r = simulate(1, 1, 0.01, 0.03, 0.0, lives=[[(0, 3), (1, 2)]], handoff=0.005, s_steps=6_000)
+    cycle = 3 * 0.01 + 0.005 + 2 * 0.03
+    assert r.legs == pytest.approx({"on_s": 0.03 / cycle, "back_to_s": 0.0, "to_l": 0.005 / cycle,
+                                    "on_l": 0.06 / cycle}, abs=1e-3)
+    # four requests of two lives: every request is in one leg at a time, a step's batch is in it for
+    # the whole step, and a send spends at least the hand-off on its way
+    ov = Overheads(s_overhead=0.001, l_overhead=0.002, handoff=0.004)
+    r = simulate(4, 1, 0.01, 0.03, 0.0, lives=[[(0, 3), (1, 2)], [(0, 5), (1, 1), (0, 2)]], overheads=ov,
+                 s_steps=20_000)
+    assert sum(r.legs.values()) == pytest.approx(4.0)
+    assert r.legs["on_s"] == pytest.approx(r.s_batch * r.s_steps * 0.011 / r.seconds, rel=1e-3)
+    assert r.legs["on_l"] == pytest.approx(r.l_batch * r.l_steps * 0.032 / r.seconds, rel=1e-3)
+    sends = r.l_steps * r.l_batch / 1.5 / r.seconds  # spans of 2 and 1 tokens, drawn alike
+    assert r.legs["to_l"] > 0.9 * 0.004 * sends and r.legs["back_to_s"] > 0.0
 
 
 def test_simulator_rejects_bad_lives():
@@ -126,6 +169,12 @@ def test_simulator_rejects_bad_lives():
         simulate(2, 1, 0.01, 0.05, lives=[[(0, 0)]])
     with pytest.raises(ValueError, match=r"lives\[0\]"):
         simulate(2, 1, 0.01, 0.05, lives=[[(0, 2.5)]])
+    with pytest.raises(ValueError, match=r"lives\[0\]"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 2, -1)]])
+    with pytest.raises(ValueError, match=r"lives\[0\]"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 2, 1), (1, 1)]])
+    with pytest.raises(ValueError, match="fed for every life"):
+        simulate(2, 1, 0.01, 0.05, lives=[[(0, 2, 1)], [(0, 3)]])
     with pytest.raises(ValueError, match="no spans or q_l"):
         simulate(2, 1, 0.01, 0.05, lives=[[(0, 2)]], q_l=0.5)
 

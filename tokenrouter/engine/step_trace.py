@@ -29,6 +29,8 @@ from typing import IO
 
 import numpy as np
 
+from tokenrouter.planner.sim import LEGS
+
 ENV = "TOKENROUTER_STEP_TRACE"
 
 
@@ -164,19 +166,50 @@ class Runs:
     cut: list[int]
 
 
-def visit_runs(steps: list[Step]) -> dict[str, list[tuple[int, int]]]:
-    """Each request's visits in order, as (model, steps in a row on it), from a trace sorted by start.
-    A step on a request is one token decision of that model (prefill included: its step samples the
-    request's first token), so a visit's steps are the run length between two sends."""
+def visit_runs(steps: list[Step]) -> dict[str, list[tuple[int, int, int]]]:
+    """Each request's visits in order, as (model, steps in a row on it, tokens fed), from a trace sorted
+    by start. A step on a request is one token decision of that model (prefill included: its step
+    samples the request's first token), so a visit's steps are the run length between two sends. Fed:
+    the tokens beyond one that the visit's first step computed for the request (what the other model
+    wrote since this one last saw it; on a first visit, the prompt and those tokens less what the
+    model's prefix cache held)."""
     visits: dict[str, list[list[int]]] = {}
     for s in steps:
-        for rid in s.rids:
+        for rid, ext in zip(s.rids, s.extend_lens):
             v = visits.setdefault(rid, [])
             if v and v[-1][0] == s.model:
                 v[-1][1] += 1
             else:
-                v.append([s.model, 1])
-    return {rid: [(m, k) for m, k in v] for rid, v in visits.items()}
+                v.append([s.model, 1, ext - 1])
+    return {rid: [(m, k, fed) for m, k, fed in v] for rid, v in visits.items()}
+
+
+def request_legs(steps: list[Step], start: float, end: float, small: int = 0) -> dict[str, float]:
+    """The mean number of requests in each leg (tokenrouter.planner.sim.LEGS, which the simulator
+    reports alike) over the window [start, end] of a two-model
+    trace sorted by start time: each request's time in that leg inside the window, summed over
+    requests, over the window's length. Little's law turns these into time per request; the rest of
+    the live requests are outside every leg (admitted but not yet stepped, or done but not yet
+    replaced). `steps` must hold each request's steps on both sides of the window's edges (read the
+    whole trace, not only the window)."""
+    if end <= start:
+        raise ValueError(f"request_legs: empty window [{start}, {end}]")
+    legs = dict.fromkeys(LEGS, 0.0)
+    last: dict[str, Step] = {}
+
+    def add(leg: str, a: float, b: float) -> None:
+        legs[leg] += max(0.0, min(b, end) - max(a, start))
+
+    for s in steps:
+        on = "on_s" if s.model == small else "on_l"
+        for rid in s.rids:
+            prev = last.get(rid)
+            if prev is not None:
+                same = prev.model == s.model
+                add(on if same else ("to_l" if prev.model == small else "back_to_s"), prev.end, s.start)
+            add(on, s.start, s.end)
+            last[rid] = s
+    return {k: v / (end - start) for k, v in legs.items()}
 
 
 def send_runs(steps: list[Step], model: int) -> Runs:
@@ -184,7 +217,7 @@ def send_runs(steps: list[Step], model: int) -> Runs:
     sent: list[int] = []
     cut: list[int] = []
     for v in visit_runs(steps).values():
-        for i, (m, k) in enumerate(v):
+        for i, (m, k, _) in enumerate(v):
             if m == model:
                 (sent if i < len(v) - 1 else cut).append(k)
     return Runs(sent, cut)

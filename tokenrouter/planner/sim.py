@@ -23,11 +23,16 @@ tokens L writes before handing the request back (>= 1).
 Lives: with gaps and spans drawn independently every request routes alike from its first token to
 its last. Measured requests do not (docs/BENCHMARKS.md, "Real send patterns"): a Co-LLM request
 sends every 5.8 steps on average while it sends, then ends in an S run of 30 steps that sends
-nothing. `lives` replays that: each life is one measured request's visits in order, (model, steps)
-with model 0 = S and 1 = L (tokenrouter.engine.step_trace.visit_runs); a request runs its life's
+nothing. `lives` replays that: each life is one measured request's visits in order, (model, steps,
+fed) with model 0 = S and 1 = L (tokenrouter.engine.step_trace.visit_runs); a request runs its life's
 visits, its last visit ends it (its last token kept), and the closed loop replaces it at once with
-a life drawn at random, starting on S (prompts are not modelled). An S visit of k steps that sends is
-a gap of k - 1 tokens, an L visit of m steps a span of m, and a life's last visit keeps every token.
+a life drawn at random, starting on S. An S visit of k steps that sends is a gap of k - 1 tokens, an
+L visit of m steps a span of m, and a life's last visit keeps every token. Fed is what the visit's
+first step computed beyond one token, as measured, and that is what the step is charged for
+(`l_token` or `s_token` per token): the other model's tokens since the last visit, and on a first
+visit the prompt less what the model's prefix cache held, which the gap and span alone cannot say
+(a request whose prompt and first tokens L already holds feeds L far fewer than its first gap).
+Visits given as (model, steps) charge the gap's k - 1 tokens and the span's m - 1 and no prompt.
 
 The result is a throughput estimate with a standard error (batch means), not an exact value, and
 the inter-token latencies it saw (each request's time between two of its tokens: an S step's end
@@ -46,7 +51,16 @@ import numpy as np
 from tokenrouter.planner.latency import LatencyLike, as_latency
 from tokenrouter.planner.overheads import Overheads
 
-__all__ = ["SimResult", "simulate", "parse_histogram"]
+__all__ = ["LEGS", "SimResult", "simulate", "parse_histogram"]
+
+LEGS = ("on_s", "back_to_s", "to_l", "on_l")
+"""Where a request is between its first step and its last, for the mean number of requests in each
+(`SimResult.legs`; measured: tokenrouter.engine.step_trace.request_legs):
+on_s: in an S step, or between two S steps in a row (the runtime's gap between S steps);
+back_to_s: from the end of an L step to the S step that continues it (S's step in progress);
+to_l: from the end of the S step that sends it to the first L step of its visit (the hand-off, then
+L's queue: its step in progress, or the B-th request);
+on_l: in an L step, or between two L steps in a row."""
 
 
 def parse_histogram(h) -> tuple[np.ndarray, np.ndarray]:
@@ -64,20 +78,27 @@ def parse_histogram(h) -> tuple[np.ndarray, np.ndarray]:
     return v.astype(np.int64), c / c.sum()
 
 
-def _check_lives(lives: Sequence[Sequence[tuple[int, int]]]) -> list[np.ndarray]:
-    """Each life's visit lengths, after checking that it starts on S, alternates and has steps >= 1."""
+def _check_lives(lives: Sequence[Sequence[Sequence[int]]]) -> tuple[list[np.ndarray], list[np.ndarray] | None]:
+    """Each life's visit lengths and, when every visit gives one, the tokens each visit fed, after
+    checking that it starts on S, alternates and has steps >= 1 and fed >= 0."""
     if not lives:
         raise ValueError("lives: at least one measured request is needed")
-    out = []
+    out, feeds = [], []
     for j, v in enumerate(lives):
-        models = [m for m, _ in v]
-        steps = np.array([k for _, k in v], dtype=float)
-        if (not models or models[0] != 0 or any(m != i % 2 for i, m in enumerate(models)) or (steps < 1).any()
-                or (steps != np.round(steps)).any()):
-            raise ValueError(f"lives[{j}]: visits must alternate S (0) and L (1) from S, each >= 1 step, "
-                             f"got {list(v)}")
+        widths = {len(x) for x in v}
+        models = [x[0] for x in v]
+        steps = np.array([x[1] for x in v], dtype=float) if widths <= {2, 3} else np.zeros(0)
+        fed = np.array([x[2] for x in v], dtype=float) if widths == {3} else np.zeros(0)
+        if (not models or len(widths) != 1 or not widths <= {2, 3} or models[0] != 0
+                or any(m != i % 2 for i, m in enumerate(models)) or (steps < 1).any()
+                or (steps != np.round(steps)).any() or (fed < 0).any() or (fed != np.round(fed)).any()):
+            raise ValueError(f"lives[{j}]: visits must alternate S (0) and L (1) from S, each (model, steps >= 1) "
+                             f"or each (model, steps >= 1, fed >= 0), got {list(v)}")
         out.append(steps.astype(np.int64))
-    return out
+        feeds.append(fed.astype(np.int64))
+    if any(len(f) for f in feeds) and not all(len(f) for f in feeds):
+        raise ValueError("lives: give fed for every life's visits or for none")
+    return out, (feeds if feeds[0].size else None)
 
 
 @dataclass
@@ -91,6 +112,8 @@ class SimResult:
     l_steps: int  # after warm-up
     s_batch: float  # mean batch of S's steps after warm-up (the rows it computed per step)
     l_batch: float  # and of L's
+    l_fed: float  # mean tokens per L step its requests brought back from S (the catch-up), after warm-up
+    legs: dict[str, float]  # mean requests in each leg of `LEGS` after warm-up (they sum to N)
     itl: np.ndarray  # inter-token latencies (seconds) after warm-up, a sample of at most `itl_keep`
 
     def itl_percentile(self, q: float) -> float:
@@ -99,7 +122,7 @@ class SimResult:
 
 def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
              p: float | None = None, gaps=None, q_l: float = 0.0, spans=None,
-             lives: Sequence[Sequence[tuple[int, int]]] | None = None, handoff: float = 0.0,
+             lives: Sequence[Sequence[Sequence[int]]] | None = None, handoff: float = 0.0,
              overheads: Overheads | None = None, s_steps: int = 200_000,
              warmup: float = 0.05, batches: int = 20, seed: int = 0, itl_keep: int = 200_000) -> SimResult:
     """Simulate N = n requests with launch threshold B = b for about `s_steps` S steps.
@@ -125,7 +148,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     big = 1 << 60
 
     if lives is not None:
-        life_steps = _check_lives(lives)  # runs and spans come from the lives; only which life is drawn
+        life_steps, life_fed = _check_lives(lives)  # runs and spans come from the lives; only which life is drawn
     elif gaps is not None:
         gv, gp = parse_histogram(gaps)
 
@@ -165,14 +188,20 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         pos[i] += 1
         return int(life_steps[life[i]][pos[i]])
 
+    def visit_fed(i: int) -> int:
+        """The tokens request i's current visit feeds its model's first step, as measured."""
+        return int(life_fed[life[i]][pos[i]])
+
     def new_request(i: int) -> None:
         """Request i ended: a new one takes its place at S with a life drawn at random."""
         life[i], pos[i] = rng.integers(len(lives)), 0
         s_left[i] = life_steps[life[i]][0]
         catch[i] = s_left[i] - 1
-        back[i] = 0
+        back[i] = visit_fed(i) if life_fed is not None else 0
         last_tok[i] = math.nan
-    back = np.zeros(n, dtype=np.int64)  # tokens beyond one L wrote in the span S takes back
+    back = np.zeros(n, dtype=np.int64)  # tokens beyond one S's next step on the request computes
+    if life is not None and life_fed is not None:
+        back[:] = [visit_fed(i) for i in range(n)]
     last_tok = np.full(n, math.nan)  # time of each request's last token
     itl: list[np.ndarray] = []
     itl_n = 0
@@ -194,6 +223,9 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     s_rows = l_rows = 0  # requests stepped, summed over steps
     t0 = tok_s0 = tok_l0 = None
     s_rows0 = l_rows0 = n_l0 = 0
+    fed = fed0 = 0  # catch-up tokens of the L steps done
+    fed_now = 0  # and of the L step in progress
+    legs = dict.fromkeys(LEGS, 0.0)  # request-seconds in each leg after warm-up
     eps = 1e-12
 
     while n_s_steps < s_steps:
@@ -208,6 +240,13 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         dt = min(dt_s, dt_l, dt_h)
         if dt == math.inf:
             raise RuntimeError("simulation stalled (no S step and no L step possible)")
+        if n_s_steps >= warm_steps:
+            on_s = len(s_batch) if s_batch is not None else 0
+            between = int(np.count_nonzero(span_len[queue])) if queue else 0  # queued between two steps of a span
+            legs["on_s"] += dt * on_s
+            legs["back_to_s"] += dt * (int(np.count_nonzero(at_s)) - on_s)
+            legs["to_l"] += dt * (len(transit) + len(queue) - between)
+            legs["on_l"] += dt * (len(l_batch) + between)
         t += dt
         if s_batch is not None and rate > 0:
             s_rem -= dt * rate
@@ -233,18 +272,21 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             at_s[leave] = False
             for i in leave:
                 l_left[i] = next_visit(i) if life is not None else draw_span()
+                if life is not None and life_fed is not None:
+                    catch[i] = visit_fed(i)
             transit.extend((t + handoff, int(i)) for i in leave)
             s_rows += len(s_batch)
             s_batch = None
             n_s_steps += 1
             if n_s_steps == warm_steps:
                 t0, tok_s0, tok_l0 = t, tok_s, tok_l
-                s_rows0, l_rows0, n_l0 = s_rows, l_rows, n_l_steps
+                s_rows0, l_rows0, n_l0, fed0 = s_rows, l_rows, n_l_steps, fed
             if n_s_steps > warm_steps and (n_s_steps - warm_steps) % per_batch == 0:
                 marks.append((t, tok_s + tok_l))
         if l_batch and l_rem <= eps * max(1.0, t):
             tok_l += len(l_batch)
             l_rows += len(l_batch)
+            fed += fed_now
             n_l_steps += 1
             lb = np.array(l_batch)
             if n_s_steps >= warm_steps and itl_n < itl_keep:
@@ -267,6 +309,8 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                 else:
                     s_left[i] = next_visit(i) if life is not None else draw_gap(1)[0]
                     catch[i] = s_left[i] - 1
+                    if life is not None and life_fed is not None:
+                        back[i] = visit_fed(i)
             l_batch = []
         while transit and transit[0][0] <= t + eps * max(1.0, t):
             queue.append(transit.pop(0)[1])
@@ -274,7 +318,8 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             l_batch, queue = queue, []
             # a request's first step of a span feeds the tokens S kept since its last visit
             fresh = [i for i in l_batch if span_len[i] == 0]
-            l_rem = lat_l(len(l_batch)) + ov.l_overhead + ov.l_token * float(catch[fresh].sum())
+            fed_now = int(catch[fresh].sum())
+            l_rem = lat_l(len(l_batch)) + ov.l_overhead + ov.l_token * fed_now
             catch[fresh] = 0
     if t0 is None:
         raise ValueError("s_steps too small for the warm-up")
@@ -287,4 +332,6 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                      seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps - n_l0,
                      s_batch=(s_rows - s_rows0) / max(n_s_steps - warm_steps, 1),
                      l_batch=(l_rows - l_rows0) / max(n_l_steps - n_l0, 1),
+                     l_fed=(fed - fed0) / max(n_l_steps - n_l0, 1),
+                     legs={k: v / secs for k, v in legs.items()},
                      itl=np.concatenate(itl) if itl else np.zeros(0))

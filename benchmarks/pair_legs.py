@@ -1,0 +1,111 @@
+"""Where a request's time goes under load: the routed pair against its large model alone, from the trace.
+
+A closed loop keeps N requests in flight (held-out arithmetic chat prompts, as `tokenrouter bench
+compare --workload arith` asks them, EOS ignored, `--max-tokens` each) through the entry, once for
+the large model alone and once for the routed group of `--config` (each launch rule of `--b`: 1 is
+eager, B > 1 delays the large model's steps until B of its requests are ready), with the step trace
+on (tokenrouter/engine/step_trace.py). For each run, over its steady window (all N requests live):
+
+- each model's share of the wall time spent in steps (busy), its steps, the rows they computed (each
+  request's new tokens: decodes, catch-up, prompts) and the least-squares step cost
+  ms = c0 + c1 x rows + c2 x requests, which says whether a model pays per step or per row;
+- the mean number of requests in each leg (tokenrouter.planner.sim.LEGS: on S, on its way to L and
+  in L's queue, on L, back to S; for the large model alone every request is "on S", its model), and
+  by Little's law the milliseconds per request in each.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pair_legs.py --config PAIR.yaml --n 8 --requests 48 \\
+        --max-tokens 32 --b 1,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from tokenrouter import SamplingParams
+from tokenrouter.bench.offline import run_closed_loop
+from tokenrouter.bench.workloads import build_prompts
+from tokenrouter.engine.step_trace import ENV as TRACE_ENV
+from tokenrouter.engine.step_trace import read_trace, request_legs
+from tokenrouter.engine.tokenizer import load_tokenizer
+from tokenrouter.planner.sim import LEGS
+from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.messages import SetThresholds
+
+sys.path.insert(0, os.path.dirname(__file__))
+from runtime_stages import real_group  # noqa: E402
+
+
+def model_rows(steps, names: list[str], window: tuple[float, float]) -> list[str]:
+    """One table row per model: busy share, steps, rows, mean batch, the step-cost fit."""
+    t0, t1 = window
+    out = []
+    for m, name in enumerate(names):
+        mine = [s for s in steps if s.model == m and t0 <= s.start < t1]
+        if not mine:
+            continue
+        ms = np.array([1000 * (s.end - s.start) for s in mine])
+        rows = np.array([sum(s.extend_lens) for s in mine], dtype=float)
+        reqs = np.array([len(s.rids) for s in mine], dtype=float)
+        coef, *_ = np.linalg.lstsq(np.vstack([np.ones(len(mine)), rows, reqs]).T, ms, rcond=None)
+        out.append(f"{name}: busy {ms.sum() / 1000 / (t1 - t0):.2f}, {len(mine)} steps, {int(rows.sum())} rows "
+                   f"({rows.mean():.1f} a step, {reqs.mean():.2f} requests), {ms.mean():.1f} ms a step "
+                   f"= {coef[0]:.1f} + {coef[1]:.2f} x rows + {coef[2]:.2f} x requests")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the routed pair's YAML (small first, large second)")
+    ap.add_argument("--n", type=int, default=8, help="requests in flight")
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--b", default="1", help="the large model's launch thresholds to run the pair at")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    trace = tempfile.mkdtemp(prefix="pair-legs-")
+    os.environ[TRACE_ENV] = trace  # before the subservers spawn: they inherit it
+    tok = load_tokenizer(GroupConfig.from_yaml(args.config).models[-1].engine.model_path)
+    prompts, _ = build_prompts("arith", "cpu", args.requests, 0, tok)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0.0)
+    print(f"N = {args.n}, {args.requests} requests of {args.max_tokens} tokens, prompts of "
+          f"{np.mean([len(p) for p in prompts]):.1f} ids\n")
+    print("| setup | tok/s (steady) | ms per request | " + " | ".join(LEGS) + " | outside |")
+    print("|---|---:|---:|" + "---:|" * (len(LEGS) + 1))
+    notes = []
+    for setup, bs in (("large", [1]), ("routed", [int(b) for b in args.b.split(",")])):
+        cfg = real_group(args.config, setup)
+        entry = Entry(cfg, detokenize=True)
+        try:
+            run_closed_loop(entry, prompts[:2 * args.n], params, args.n)  # warm-up: prefix caches, first steps
+            for b in bs:
+                if setup == "routed":
+                    entry.pool.send(cfg.names[1], SetThresholds({1: b}))
+                t0 = time.perf_counter()
+                res = run_closed_loop(entry, prompts, params, args.n)
+                window = res.steady_window
+                steps = read_trace(trace, t0, time.perf_counter())  # this run's: request ids repeat across entries
+                label = setup if setup == "large" else f"routed, B = {b}"
+                legs = request_legs(steps, *window)
+                # Little's law: requests finish at (steady tokens / tokens per request) a second
+                per_s = res.steady_throughput / args.max_tokens
+                cells = " | ".join(f"{legs[k]:.2f} ({1000 * legs[k] / per_s:.0f} ms)" for k in LEGS)
+                print(f"| {label} | {res.steady_throughput:.1f} | {1000 * args.n / per_s:.0f} | {cells} | "
+                      f"{args.n - sum(legs.values()):.2f} |", flush=True)
+                notes.append((label, model_rows(steps, cfg.names, window)))
+        finally:
+            entry.close()
+    for label, rows in notes:
+        print(f"\n{label}:\n- " + "\n- ".join(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
