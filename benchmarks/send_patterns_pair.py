@@ -408,7 +408,7 @@ def table(report: dict) -> None:
           "the run's fit on those steps / replayed (at B > 1 also holding requests queued between two steps of a span); "
           "and the tokens beyond one per request an L step computed, "
           "measured / replayed")
-    print("| router | B | L step ms | tokens beyond one per request |")
+    print("| router | B | L step ms | tokens an L step computed beyond one per request |")
     print("|---|---:|---|---|")
     for kind, r in report["routers"].items():
         for run in r["runs"]:
