@@ -365,24 +365,12 @@ def table(report: dict) -> None:
                      if "lives_model" in run else "(no lives recorded) | ")
                   + f"{1e3 * (cs[0] + cs[1]):.1f}, {1e3 * (cl[0] + cl[1]):.1f} | {run['alpha']:.2f} | "
                   f"{100 * run['first_visit_share']:.0f}% |")
-    print("\nThe lives replayed charging each visit its gap's or span's catch-up, not what it fed (error):")
-    for kind, r in report["routers"].items():
-        cells = [f"B={run['b']}: {run['lives_gaps_model']:.1f} ({100 * run['lives_gaps_error']:+.1f}%)"
-                 for run in r["runs"] if "lives_gaps_model" in run]
-        if cells:
-            print(f"- {kind}: " + ", ".join(cells))
-    print("\nThe chain given the tokens beyond one that L's visits fed, as measured, for the catch-up (error):")
-    for kind, r in report["routers"].items():
-        cells = [f"B={run['b']}: {run['fed_chain']:.1f} ({100 * run['fed_chain_error']:+.1f}%)"
-                 for run in r["runs"] if "fed_chain" in run]
-        if cells:
-            print(f"- {kind} ({r['runs'][0]['fed_tokens']:.1f} tokens a visit): " + ", ".join(cells))
-    print("\nThe lives replayed with L's step cost fitted per row alone, t_L = c0 + c1 x rows (error):")
-    for kind, r in report["routers"].items():
-        cells = [f"B={run['b']}: {run['lives_rows_model']:.1f} ({100 * run['lives_rows_error']:+.1f}%)"
-                 for run in r["runs"] if "lives_rows_model" in run]
-        if cells:
-            print(f"- {kind}: " + ", ".join(cells))
+    variant_errors(report, "The lives replayed charging each visit its gap's or span's catch-up, not what it fed",
+                   "lives_gaps")
+    variant_errors(report, "The chain given the tokens beyond one that L's visits fed, as measured, for the catch-up",
+                   "fed_chain", lambda r: f" ({r['runs'][0]['fed_tokens']:.1f} tokens a visit)")
+    variant_errors(report, "The lives replayed with L's step cost fitted per row alone, t_L = c0 + c1 x rows",
+                   "lives_rows")
     print("\nWhere the lives replay differs from the run (measured in the steady window / replayed): mean batch "
           "and steps per second")
     print("| router | B | S batch | L batch | S steps/s | L steps/s |")
@@ -428,6 +416,16 @@ def table(report: dict) -> None:
         print(f"- {kind}: the planner picks B = {rule['planned_b']} ({rule['planned_tok_s']:.1f} tok/s predicted); "
               f"fastest measured B = {rule['fastest_measured_b']} ({rule['fastest_measured_tok_s']:.1f} tok/s); {cells}")
 
+
+
+def variant_errors(report: dict, title: str, key: str, note: Callable[[dict], str] = lambda r: "") -> None:
+    """One line per router: a variant's prediction (`<key>` or `<key>_model`) and its error at each B."""
+    print(f"\n{title} (error):")
+    for kind, r in report["routers"].items():
+        value = key if any(key in run for run in r["runs"]) else f"{key}_model"
+        cells = [f"B={run['b']}: {run[value]:.1f} ({100 * run[key + '_error']:+.1f}%)" for run in r["runs"] if value in run]
+        if cells:
+            print(f"- {kind}{note(r)}: " + ", ".join(cells))
 
 
 def across(reports: list[dict]) -> None:
