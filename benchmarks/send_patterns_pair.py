@@ -371,39 +371,24 @@ def table(report: dict) -> None:
                    "fed_chain", lambda r: f" ({r['runs'][0]['fed_tokens']:.1f} tokens a visit)")
     variant_errors(report, "The lives replayed with L's step cost fitted per row alone, t_L = c0 + c1 x rows",
                    "lives_rows")
-    print("\nWhere the lives replay differs from the run (measured in the steady window / replayed): mean batch "
-          "and steps per second")
-    print("| router | B | S batch | L batch | S steps/s | L steps/s |")
-    print("|---|---:|---|---|---|---|")
-    for kind, r in report["routers"].items():
-        for run in r["runs"]:
-            if "lives_s_batch" in run and "s_batch" in run:
-                print(f"| {kind} | {run['b']} | {run['s_batch']:.2f} / {run['lives_s_batch']:.2f} | "
-                      f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f} | "
-                      f"{run['s_rate']:.1f} / {run['lives_s_rate']:.1f} | "
-                      f"{run['l_rate']:.1f} / {run['lives_l_rate']:.1f} |")
-    print("\nWhere the requests are: mean requests in each leg (tokenrouter.planner.sim.LEGS), measured in the "
-          "steady window / replayed; outside: live but in no leg (admitted, not yet stepped)")
-    print("| router | B | " + " | ".join(LEGS) + " | outside |")
-    print("|---|---:|" + "---|" * (len(LEGS) + 1))
-    for kind, r in report["routers"].items():
-        for run in r["runs"]:
-            if "legs" in run and "lives_legs" in run:
-                m, p = run["legs"], run["lives_legs"]
-                print(f"| {kind} | {run['b']} | " + " | ".join(f"{m[k]:.2f} / {p[k]:.2f}" for k in LEGS)
-                      + f" | {report['n'] - sum(m.values()):.2f} |")
-    print("\nL's step as requests live through it (weighted by its batch), ms: measured in the steady window / "
-          "the run's fit on those steps / replayed (at B > 1 also holding requests queued between two steps of a span); "
-          "and the tokens beyond one per request an L step computed, "
-          "measured / replayed")
-    print("| router | B | L step ms | tokens an L step computed beyond one per request |")
-    print("|---|---:|---|---|")
-    for kind, r in report["routers"].items():
-        for run in r["runs"]:
-            if "l_step_weighted" in run and "lives_legs" in run:
-                replayed = run["lives_legs"]["on_l"] / (run["lives_l_batch"] * run["lives_l_rate"])
-                print(f"| {kind} | {run['b']} | {1e3 * run['l_step_weighted']:.1f} / {1e3 * run['l_fit_weighted']:.1f} / "
-                      f"{1e3 * replayed:.1f} | {run['l_extra_per_step']:.1f} / {run['lives_l_fed']:.1f} |")
+    run_table(report, "Where the lives replay differs from the run (measured in the steady window / replayed): mean "
+              "batch and steps per second", ("S batch", "L batch", "S steps/s", "L steps/s"), ("lives_s_batch", "s_batch"),
+              lambda run: [f"{run['s_batch']:.2f} / {run['lives_s_batch']:.2f}",
+                           f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f}",
+                           f"{run['s_rate']:.1f} / {run['lives_s_rate']:.1f}",
+                           f"{run['l_rate']:.1f} / {run['lives_l_rate']:.1f}"])
+    run_table(report, "Where the requests are: mean requests in each leg (tokenrouter.planner.sim.LEGS), measured in "
+              "the steady window / replayed; outside: live but in no leg (admitted, not yet stepped)",
+              (*LEGS, "outside"), ("legs", "lives_legs"),
+              lambda run: [f"{run['legs'][k]:.2f} / {run['lives_legs'][k]:.2f}" for k in LEGS]
+              + [f"{report['n'] - sum(run['legs'].values()):.2f}"])
+    run_table(report, "L's step as requests live through it (weighted by its batch), ms: measured in the steady window / "
+              "the run's fit on those steps / replayed (at B > 1 also holding requests queued between two steps of a "
+              "span); and the tokens an L step computed beyond one per request, measured / replayed",
+              ("L step ms", "tokens an L step computed beyond one per request"), ("l_step_weighted", "lives_legs"),
+              lambda run: [f"{1e3 * run['l_step_weighted']:.1f} / {1e3 * run['l_fit_weighted']:.1f} / "
+                           f"{1e3 * run['lives_legs']['on_l'] / (run['lives_l_batch'] * run['lives_l_rate']):.1f}",
+                           f"{run['l_extra_per_step']:.1f} / {run['lives_l_fed']:.1f}"])
     print(f"\nThe launch rule at N = {report['n']} (planned from the B = 1 run's trace alone):")
     for kind, r in report["routers"].items():
         rule = r.get("launch_rule")
@@ -416,6 +401,18 @@ def table(report: dict) -> None:
         print(f"- {kind}: the planner picks B = {rule['planned_b']} ({rule['planned_tok_s']:.1f} tok/s predicted); "
               f"fastest measured B = {rule['fastest_measured_b']} ({rule['fastest_measured_tok_s']:.1f} tok/s); {cells}")
 
+
+
+def run_table(report: dict, title: str, columns: tuple[str, ...], needs: tuple[str, ...],
+              cells: Callable[[dict], list[str]]) -> None:
+    """A table with one row per router and B, for the runs that hold every key of `needs`."""
+    print(f"\n{title}")
+    print("| router | B | " + " | ".join(columns) + " |")
+    print("|---|---:|" + "---|" * len(columns))
+    for kind, r in report["routers"].items():
+        for run in r["runs"]:
+            if all(k in run for k in needs):
+                print(f"| {kind} | {run['b']} | " + " | ".join(cells(run)) + " |")
 
 
 def variant_errors(report: dict, title: str, key: str, note: Callable[[dict], str] = lambda r: "") -> None:
