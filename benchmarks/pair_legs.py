@@ -82,6 +82,8 @@ def main() -> int:
     notes = []
     for setup, bs in (("large", [1]), ("routed", [int(b) for b in args.b.split(",")])):
         cfg = real_group(args.config, setup)
+        if setup == "routed":  # each row's B is the one it names: no planner re-sending its own table
+            cfg = GroupConfig.from_dict({**cfg.to_dict(), "launch": {"policy": "eager"}})
         entry = Entry(cfg, detokenize=True)
         try:
             run_closed_loop(entry, prompts[:2 * args.n], params, args.n)  # warm-up: prefix caches, first steps
@@ -93,6 +95,9 @@ def main() -> int:
                 window = res.steady_window
                 steps = read_trace(trace, t0, time.perf_counter())  # this run's: request ids repeat across entries
                 label = setup if setup == "large" else f"routed, B = {b}"
+                if window[1] <= window[0]:
+                    print(f"| {label} | no steady window: give more --requests than --n |", flush=True)
+                    continue
                 legs = request_legs(steps, *window)
                 # Little's law: requests finish at (steady tokens / tokens per request) a second
                 per_s = res.steady_throughput / args.max_tokens

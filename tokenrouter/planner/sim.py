@@ -60,7 +60,9 @@ on_s: in an S step, or between two S steps in a row (the runtime's gap between S
 back_to_s: from the end of an L step to the S step that continues it (S's step in progress);
 to_l: from the end of the S step that sends it to the first L step of its visit (the hand-off, then
 L's queue: its step in progress, or the B-th request);
-on_l: in an L step, or between two L steps in a row."""
+on_l: in an L step, or between two L steps in a row.
+A request before its first step is in none (measured: admitted, not yet stepped; simulated: a
+replacement waiting for S's step in progress), so the legs sum to N less those."""
 
 
 def parse_histogram(h) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +115,7 @@ class SimResult:
     s_batch: float  # mean batch of S's steps after warm-up (the rows it computed per step)
     l_batch: float  # and of L's
     l_fed: float  # mean tokens per L step its requests brought back from S (the catch-up), after warm-up
-    legs: dict[str, float]  # mean requests in each leg of `LEGS` after warm-up (they sum to N)
+    legs: dict[str, float]  # mean requests in each leg of `LEGS` after warm-up
     itl: np.ndarray  # inter-token latencies (seconds) after warm-up, a sample of at most `itl_keep`
 
     def itl_percentile(self, q: float) -> float:
@@ -199,6 +201,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         catch[i] = s_left[i] - 1
         back[i] = visit_fed(i) if life_fed is not None else 0
         last_tok[i] = math.nan
+        unstepped[i] = True
     back = np.zeros(n, dtype=np.int64)  # tokens beyond one S's next step on the request computes
     if life is not None and life_fed is not None:
         back[:] = [visit_fed(i) for i in range(n)]
@@ -208,6 +211,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     l_left = np.zeros(n, dtype=np.int64)  # L tokens left in the current span
     span_len = np.zeros(n, dtype=np.int64)  # L tokens written so far in the current span
     at_s = np.ones(n, dtype=bool)  # at S (in its batch or waiting for its next step)
+    unstepped = np.zeros(n, dtype=bool)  # a replacement that has not joined an S step yet (in no leg)
     queue: list[int] = []
     transit: list[tuple[float, int]] = []  # (arrival time at L, request), in arrival order
     l_batch: list[int] = []
@@ -232,6 +236,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         rate = (1.0 - alpha) if l_batch else 1.0
         if s_batch is None and at_s.any():
             s_batch = np.nonzero(at_s)[0]
+            unstepped[s_batch] = False
             s_rem = lat_s(len(s_batch)) + ov.s_overhead + ov.s_token * float(back[s_batch].sum())
             back[s_batch] = 0
         dt_s = s_rem / rate if (s_batch is not None and rate > 0) else math.inf
@@ -244,7 +249,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             on_s = len(s_batch) if s_batch is not None else 0
             between = int(np.count_nonzero(span_len[queue])) if queue else 0  # queued between two steps of a span
             legs["on_s"] += dt * on_s
-            legs["back_to_s"] += dt * (int(np.count_nonzero(at_s)) - on_s)
+            legs["back_to_s"] += dt * (int(np.count_nonzero(at_s)) - on_s - int(np.count_nonzero(unstepped)))
             legs["to_l"] += dt * (len(transit) + len(queue) - between)
             legs["on_l"] += dt * (len(l_batch) + between)
         t += dt
