@@ -86,9 +86,10 @@ def prompts(large: str, n_arith: int, n_champ: int) -> list[list[int]]:
     return out
 
 
-def step_fit(steps: list[Step]) -> np.ndarray:
-    """Least squares of step seconds on [1, batch, tokens beyond one per request]."""
-    x = np.array([[1.0, len(s.rids), sum(s.extend_lens) - len(s.rids)] for s in steps])
+def step_fit(steps: list[Step], features: Callable[[Step], list[float]] | None = None) -> np.ndarray:
+    """Least squares of step seconds on `features` (default: [1, batch, tokens beyond one per request])."""
+    features = features or (lambda s: [1.0, len(s.rids), sum(s.extend_lens) - len(s.rids)])
+    x = np.array([features(s) for s in steps])
     y = np.array([s.end - s.start for s in steps])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     return coef
@@ -117,8 +118,7 @@ def latencies_from_trace(steps: list[Step]) -> dict:
     cl = step_fit(l_steps)
     # L's steps again on [1, rows] alone: its batch and the tokens its requests bring move together
     # (each brings about the mean catch-up), so the three-term fit splits their cost arbitrarily
-    rows = np.array([[1.0, sum(s.extend_lens)] for s in l_steps])
-    cl_rows, *_ = np.linalg.lstsq(rows, np.array([s.end - s.start for s in l_steps]), rcond=None)
+    cl_rows = step_fit(l_steps, lambda s: [1.0, sum(s.extend_lens)])
     stretch = sum((s.end - s.start) - (cs[0] + cs[1] * len(s.rids) + cs[2] * (sum(s.extend_lens) - len(s.rids)))
                   for s, o in zip(s_steps, ov) if o > 0)
     alpha = float(np.clip(stretch / ov.sum(), 0.0, 1.0)) if ov.sum() > 0 else 0.0
@@ -287,6 +287,9 @@ def predict(report: dict, sim_steps: int) -> None:
         gaps = fit.gap_histogram()
         # Runs cut by a request's end never reach L: L's catch-up is the mean of the runs that sent.
         catchup = max(float(np.mean(r["sent"])) - 1.0, 0.0)
+        # what L's visits fed, when the lives record it: the chain takes its mean in place of the runs' catch-up
+        fed = (float(np.mean([x[2] for v in r["lives"] for x in v if x[0] == 1]))
+               if r.get("lives") and len(r["lives"][0][0]) == 3 else None)
         eager = [run["costs"]["handoff"] for run in r["runs"] if run["b"] == 1]
         for run in r["runs"]:
             b = run["b"]
@@ -305,9 +308,7 @@ def predict(report: dict, sim_steps: int) -> None:
                                        s_steps=sim_steps)
                     run.update(lives_rows_model=per_row.throughput,
                                lives_rows_error=per_row.throughput / steady - 1)
-                if len(r["lives"][0][0]) == 3:  # what each visit fed, measured: replay again without it,
-                    # and the chain given the mean that L's visits fed in place of the runs' catch-up
-                    fed = float(np.mean([x[2] for v in r["lives"] for x in v if x[0] == 1]))
+                if fed is not None:  # replay again without what each visit fed, and the chain given its mean
                     run.update(fed_tokens=fed, fed_chain=chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"],
                                                                   dataclasses.replace(ov, catchup=fed),
                                                                   "chain with what L's visits fed"))

@@ -149,6 +149,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     rng = np.random.default_rng(seed)
     big = 1 << 60
 
+    life_fed: list[np.ndarray] | None = None  # what each visit fed, when the lives give it
     if lives is not None:
         life_steps, life_fed = _check_lives(lives)  # runs and spans come from the lives; only which life is drawn
     elif gaps is not None:
@@ -203,7 +204,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         last_tok[i] = math.nan
         unstepped[i] = True
     back = np.zeros(n, dtype=np.int64)  # tokens beyond one S's next step on the request computes
-    if life is not None and life_fed is not None:
+    if life_fed is not None:
         back[:] = [visit_fed(i) for i in range(n)]
     last_tok = np.full(n, math.nan)  # time of each request's last token
     itl: list[np.ndarray] = []
@@ -277,7 +278,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             at_s[leave] = False
             for i in leave:
                 l_left[i] = next_visit(i) if life is not None else draw_span()
-                if life is not None and life_fed is not None:
+                if life_fed is not None:
                     catch[i] = visit_fed(i)
             transit.extend((t + handoff, int(i)) for i in leave)
             s_rows += len(s_batch)
@@ -314,7 +315,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                 else:
                     s_left[i] = next_visit(i) if life is not None else draw_gap(1)[0]
                     catch[i] = s_left[i] - 1
-                    if life is not None and life_fed is not None:
+                    if life_fed is not None:
                         back[i] = visit_fed(i)
             l_batch = []
         while transit and transit[0][0] <= t + eps * max(1.0, t):
