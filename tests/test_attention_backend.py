@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import need_compiler
+from engine_utils import make_engine, need_compiler
+from torch.profiler import ProfilerActivity, profile
 
 from tokenrouter.models.attention import paged_decode_kernel
 from tokenrouter.models.attention.reference_backend import ReferenceAttentionBackend
 from tokenrouter.models.attention.registry import make_backend
-from tokenrouter.models.attention.torch_backend import TorchAttentionBackend
+from tokenrouter.models.attention.torch_backend import TorchAttentionBackend, sdpa_scope
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.kv_pool import KVPool
+from tokenrouter.sampling_params import SamplingParams
 
 TOL = 1e-5
 PAGE = 4
@@ -187,3 +189,36 @@ def test_make_backend_names():
     assert isinstance(make_backend("torch-reference", pool, 4, 2, 8), ReferenceAttentionBackend)
     with pytest.raises(ValueError):
         make_backend("nope", pool, 4, 2, 8)
+
+
+def test_sdpa_off_the_cpu_leaves_out_cudnn():
+    """cuDNN's SDPA builds a graph on the CPU for every new key length (9 ms a layer on an H200), so
+    calls off the CPU may pick any backend but it; calls on the CPU keep torch's choice."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with sdpa_scope(torch.device("cuda", 0)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        with sdpa_scope(torch.device("cpu")):
+            assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eager_steps_run_no_cudnn_attention(model_paths):
+    """An eager decode and a catch-up extend on CUDA, profiled: no SDPA call went to cuDNN."""
+    eng = make_engine(model_paths["llama"], device="cuda", disable_cuda_graph=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    eng.add_request(list(range(3, 40)), params)
+    eng.step()  # the prefill
+    eng.add_request(list(range(3, 40)) + [5, 6, 7], params)  # a cached prefix and three new tokens
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            eng.step()
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::scaled_dot_product_attention" in names
+    assert not [n for n in names if "cudnn_attention" in n]

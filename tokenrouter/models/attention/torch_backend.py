@@ -30,10 +30,12 @@ match it (tests/test_attention_backend.py).
 from __future__ import annotations
 
 import itertools
+from contextlib import AbstractContextManager, nullcontext
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.attention.paged_decode_kernel import PagedDecodeKernel, load_kernel
@@ -48,6 +50,16 @@ CPU_DECODE_CHUNK_BYTES = 3 << 19  # 1.5 MiB
 # shapes, 8 requests over 150 cached tokens (30 layers): the kernel 1.9x the gather path at 1 and 2
 # new tokens, 1.3-1.6x at 4, 1.0-1.1x at 8, 0.6-0.7x at 16-32, where SDPA's matrix products win.
 KERNEL_MAX_EXTEND = 4
+# SDPA's backends off the CPU: all but cuDNN's, which builds a graph on the CPU for every new shape,
+# and key lengths change every step. Measured on an H200 (torch 2.11, SmolLM2's shapes, an eager
+# decode step at batch 1): 9.0 ms of CPU per call against 4 us on the GPU, 88 % of the step
+# (docs/BENCHMARKS.md, "The engine and the pair on an H200").
+GPU_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_scope(device: torch.device) -> AbstractContextManager[None]:
+    """The backends SDPA may pick for a call on `device`: `GPU_SDPA_BACKENDS` off the CPU, any on it."""
+    return nullcontext() if device.type == "cpu" else sdpa_kernel(list(GPU_SDPA_BACKENDS))
 
 
 class _KernelRows(NamedTuple):
@@ -254,15 +266,16 @@ class TorchAttentionBackend(AttentionBackend):
         qe = q if g.rows is None else q.index_select(0, g.rows)
         keys = kc.index_select(0, g.kv_slots).view(g.batch, g.seq, hkv, d)
         values = vc.index_select(0, g.kv_slots).view(g.batch, g.seq, hkv, d)
-        o = F.scaled_dot_product_attention(
-            qe.reshape(g.batch, g.ext, h, d).transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=g.mask,
-            is_causal=g.mask is None,
-            scale=self.scale,
-            enable_gqa=h != hkv,
-        )
+        with sdpa_scope(q.device):
+            o = F.scaled_dot_product_attention(
+                qe.reshape(g.batch, g.ext, h, d).transpose(1, 2),
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=g.mask,
+                is_causal=g.mask is None,
+                scale=self.scale,
+                enable_gqa=h != hkv,
+            )
         o = o.transpose(1, 2).reshape(-1, h, d)
         if g.dest is None:
             out.copy_(o)
