@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# The GPU check, in one run of under 10 minutes on one CUDA GPU (not yet run anywhere):
+# The GPU check, in one run of under 10 minutes on one CUDA GPU:
 #   1. the CUDA parity tests (our logits against transformers on CUDA, float32 and bfloat16),
 #   2. CUDA graph capture: graphs against the eager step (same greedy tokens, logits within 1e-4,
 #      every bucket, a padded one, prefix hits, preemption, a PENDING request),
-#   3. decode tok/s of a Qwen3-0.6B-shaped random model in bfloat16 at batch 1, 8, 32 and 64,
+#   3. the default pair's shapes on the GPU: the routed pair against its large model alone through
+#      the entry at concurrency 1, 8 and 32 (benchmarks/gpu_pair.py),
+#   4. decode tok/s of a Qwen3-0.6B-shaped random model in bfloat16 at batch 1, 8, 32 and 64,
 #      eager against CUDA graphs, with the capture time.
 # Usage (from the repository root, with the project installed in .venv):
 #   bash benchmarks/gpu_check.sh            # PY=/path/to/python to use another interpreter
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-export PYTHONPATH=$PWD HF_HUB_OFFLINE=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 echo "== 1-2. CUDA parity and graph capture tests"
-timeout 300 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_model_parity.py tests/test_compiled_step.py -k cuda -rs
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_compiled_step.py -k cuda -rs || echo "tests: exit $?"
 
-echo "== 3. decode benchmark, Qwen3-0.6B-shaped random model, bfloat16"
-timeout 300 "$PY" - <<'EOF'
+echo "== 3. the default pair's shapes: routed pair against the large model alone"
+timeout 200 "$PY" benchmarks/gpu_pair.py --device cuda:0 --concurrency 1 8 32 || echo "pair: exit $?"
+
+echo "== 4. decode benchmark, Qwen3-0.6B-shaped random model, bfloat16"
+timeout 120 "$PY" - <<'EOF'
 import tempfile, time
 import torch
 from tokenrouter.engine.config import EngineConfig
