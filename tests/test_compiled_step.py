@@ -3,7 +3,8 @@
 One compiled engine per model for the whole module (compiling is the slow part), buckets 1, 2, 4
 (`cuda_graph_max_bs=4`), driven side by side with an eager engine of the same settings through one
 script that reaches every bucket, a padded one (3 rows in bucket 4), batches too large for any
-bucket, prefix-cache hits, preemption and a PENDING request.
+bucket, prefix-cache hits, preemption and a PENDING request; and a catch-up (a peer's tokens handed
+back to a PENDING request), which runs compiled as one row per new token.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _check_matches_eager(compiled: Engine, eager: Engine) -> None:
     assert decode.buckets == [1, 2, 4]
     sizes: list[int] = []
     run = decode.run
-    decode.run = lambda reqs: sizes.append(len(reqs)) or run(reqs)  # type: ignore[method-assign]
+    decode.run = lambda reqs, ext: sizes.append(sum(ext)) or run(reqs, ext)  # type: ignore[method-assign]
     preempted = compiled.scheduler.num_preemptions, eager.scheduler.num_preemptions
     torch._dynamo.config.error_on_recompile = True  # warm-up compiled every bucket for every key length
     try:
@@ -113,8 +114,53 @@ def test_compiled_matches_eager_at_every_bucket(engines: tuple[Engine, Engine]) 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_cuda_graphs_match_eager_on_cuda(arch: str, model_paths: dict[str, Path]) -> None:
     compiled = _engine(model_paths[arch], eager=False, device="cuda")
-    _check_matches_eager(compiled, _engine(model_paths[arch], eager=True, device="cuda"))
+    eager = _engine(model_paths[arch], eager=True, device="cuda")
+    _check_matches_eager(compiled, eager)
     assert len(compiled.runner.decode.graphs) >= 3  # type: ignore[union-attr]
+    _check_catch_up(compiled, eager)
+
+
+def _catch_up(engine: Engine) -> tuple[list[Record], list[list[int]]]:
+    """Request a goes to a peer at step 3 and comes back at step 5 with three tokens the peer wrote;
+    b finishes before, so a's catch-up (its own last token and the three) is a step of its own."""
+    a = engine.add_request(prompts_of([7], seed=21)[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    b = engine.add_request(prompts_of([6], seed=22)[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    steps: list[Record] = []
+    for i in range(40):
+        if i == 3:
+            engine.scheduler.set_pending(a)
+        if i == 5:
+            engine.receive(a.rid, len(a.tokens), [11, 12, 13])
+        if not engine.has_unfinished():
+            break
+        result = engine.step()
+        steps.append([] if result.step is None else _rows(result.step))
+        engine.check_integrity()
+    return steps, [a.tokens, b.tokens]
+
+
+def test_catch_up_runs_compiled_as_rows(engines: tuple[Engine, Engine]) -> None:
+    _check_catch_up(*engines)
+
+
+def _check_catch_up(compiled: Engine, eager: Engine) -> None:
+    decode = compiled.runner.decode
+    assert decode is not None
+    extends: list[list[int]] = []
+    run = decode.run
+    decode.run = lambda reqs, ext: extends.append(list(ext)) or run(reqs, ext)  # type: ignore[method-assign]
+    try:
+        got, got_tokens = _catch_up(compiled)
+    finally:
+        del decode.run
+    want, want_tokens = _catch_up(eager)
+    assert [4] in extends  # a's catch-up: 4 rows in one compiled step
+    assert got_tokens == want_tokens
+    for g_step, w_step in zip(got, want, strict=True):
+        assert [tok for _, tok, _ in g_step] == [tok for _, tok, _ in w_step]
+        for (_, _, g), (_, _, w) in zip(g_step, w_step):
+            for name in ("hidden", "logits", "top_vals", "entropy"):
+                assert (g[name] - w[name]).abs().max().item() < 1e-4, name
 
 
 def test_padding_rows_touch_no_request_page(engines: tuple[Engine, Engine]) -> None:

@@ -1,9 +1,13 @@
 """The decode step compiled per batch bucket: torch.compile (inductor) on CPU, CUDA graphs on CUDA.
 
-A batch in which every request feeds one token and samples is padded to the next bucket size
-(`batch_buckets`); padding rows write their K/V to the pool's scratch slot and their outputs are
-dropped. The step (model, logits and the StepOutputSpec outputs) runs as one prepared callable over
-`DecodeInputs` (tokenrouter/models/attention/static_decode.py):
+It takes every batch whose requests all sample and whose new tokens fit the largest bucket: decodes,
+and short extends (a catch-up after a peer model's turn, a short prompt), one row per new token. A
+row attends its request's keys up to its own position, and every row's K/V is written before any
+row attends, so an extend's later rows see its earlier ones (static_decode.py). The rows are padded
+to the next bucket size (`batch_buckets`); padding rows write their K/V to the pool's scratch slot and
+their outputs are dropped, as are the rows a request does not sample from. The step (model, logits
+and the StepOutputSpec outputs) runs as one prepared callable over `DecodeInputs`
+(tokenrouter/models/attention/static_decode.py):
 
 - CPU: `torch.compile` (inductor) of one decoder layer, which every layer calls (its weights are
   graph inputs and its KV a tensor offset into the pool, see StaticDecodeAttention.enter_layer), and
@@ -16,13 +20,15 @@ dropped. The step (model, logits and the StepOutputSpec outputs) runs as one pre
   pool; the runner copies each step's inputs into the graph's static buffers and replays. The
   buckets at the shortest S are captured at start-up, longer ones when first needed.
 
-Prefill and mixed batches stay eager. Inductor's cache lives under the project's cache folder, so a
-second start of the same model reuses its kernels.
+Longer extends and batches with a request that does not sample (a prompt chunk) stay eager.
+Inductor's cache lives under the project's cache folder, so a second start of the same model reuses
+its kernels.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -74,7 +80,8 @@ def _decode_step(model: LlamaForCausalLM, attn: StaticDecodeAttention, layer_fn:
 
 
 class CompiledDecode:
-    """Runs all-decode batches of up to `max_bs` requests through the step prepared for their bucket."""
+    """Runs batches of up to `max_bs` new tokens whose requests all sample through the step prepared
+    for their bucket, one row per new token."""
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  device: torch.device, spec: StepOutputSpec, max_bs: int, max_seq: int) -> None:
@@ -104,8 +111,10 @@ class CompiledDecode:
                                           torch.compile(head, dynamic=False))
 
     def accepts(self, reqs: list[Req], extend_lens: list[int]) -> bool:
-        return len(reqs) <= self.max_bs and all(
-            e == 1 and r.kv_len + 1 == len(r.tokens) for r, e in zip(reqs, extend_lens))
+        """Every request samples after its extend (no prompt chunk), none wants prompt logprobs (the
+        eager step's hidden rows give those), and the new tokens fit the largest bucket."""
+        return sum(extend_lens) <= self.max_bs and all(
+            r.kv_len + e == len(r.tokens) and not r.wants_prompt_logprobs for r, e in zip(reqs, extend_lens))
 
     def _seq(self, seq: int) -> int:
         """The key length a step runs at: exact on CPU (a dynamic dimension), bucketed for CUDA graphs."""
@@ -123,13 +132,21 @@ class CompiledDecode:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
 
-    def run(self, reqs: list[Req]) -> StepTensors:
-        """Outputs for the rows of reqs (each feeding its last token), in order."""
-        bs = next(b for b in self.buckets if b >= len(reqs))
-        kv = [r.kv_len for r in reqs]
-        inputs = decode_inputs(self.pool, self.num_kv_heads, [r.tokens[-1] for r in reqs], kv,
-                               [r.pages for r in reqs], bs, self._seq(max(kv) + 1), self.mask_dtype)
-        return self._run(inputs).head(len(reqs))
+    def run(self, reqs: list[Req], extend_lens: list[int]) -> StepTensors:
+        """Outputs of each request's last row (the one it samples from), in order."""
+        tokens: list[int] = []
+        kv: list[int] = []
+        pages: list[list[int]] = []
+        for r, e in zip(reqs, extend_lens):
+            tokens += r.tokens[r.kv_len:r.kv_len + e]
+            kv += range(r.kv_len, r.kv_len + e)
+            pages += [r.pages] * e
+        bs = next(b for b in self.buckets if b >= len(tokens))
+        out = self._run(decode_inputs(self.pool, self.num_kv_heads, tokens, kv, pages, bs,
+                                      self._seq(max(kv) + 1), self.mask_dtype))
+        if len(tokens) == len(reqs):  # all decodes: the first rows
+            return out.head(len(reqs))
+        return out.rows(torch.tensor(list(itertools.accumulate(extend_lens)), device=self.device) - 1)
 
     def _run(self, inputs: DecodeInputs) -> StepTensors:
         if not self.cuda:

@@ -105,7 +105,7 @@ class ModelRunner:
         """`overlap` runs once the forward is launched: on a GPU, while the device computes (the
         kernels are queued asynchronously); on a CPU, after it."""
         if self.decode is not None and self.decode.accepts(reqs, extend_lens):
-            t = self.decode.run(reqs)
+            t = self.decode.run(reqs, extend_lens)
             if overlap is not None:
                 overlap()
             return self._sample(reqs, t)

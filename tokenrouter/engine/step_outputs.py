@@ -31,6 +31,12 @@ class StepTensors(NamedTuple):
         top = None if self.top_logits is None else (self.top_logits[0][:n], self.top_logits[1][:n])
         return StepTensors(self.hidden[:n], self.logits[:n], top, None if self.entropy is None else self.entropy[:n])
 
+    def rows(self, index: torch.Tensor) -> StepTensors:
+        """The rows at `index` (the sampled rows of a compiled step that ran several rows a request)."""
+        top = None if self.top_logits is None else (self.top_logits[0][index], self.top_logits[1][index])
+        return StepTensors(self.hidden[index], self.logits[index], top,
+                           None if self.entropy is None else self.entropy[index])
+
 
 def step_tensors(model: LlamaForCausalLM, hidden: torch.Tensor, spec: StepOutputSpec) -> StepTensors:
     logits = model.compute_logits(hidden)

@@ -1,6 +1,9 @@
 """Decode attention in static shapes, for a compiled or graph-captured decode step.
 
-Every row of the batch is one request's next token. The runner pads the batch to a bucket size and
+Every row of the batch is one new token of a request at its position: a decode's, or one of a short
+extend's rows, which share their request's pages. Each row's K/V is written before any row attends,
+and a row sees its request's keys up to its own position, so an extend's later rows see its earlier
+ones as causal attention would. The runner pads the batch to a bucket size and
 fills `DecodeInputs` (padding rows write their K/V to the pool's scratch slot and attend only it);
 `bind` hands them to the layers, whose `forward` is pure tensor code with no host-side planning, so
 torch.compile traces it whole and a CUDA graph can replay it. The math is the torch backend's CPU
@@ -31,8 +34,9 @@ class DecodeInputs(NamedTuple):
 
 def decode_inputs(pool: KVPool, num_kv_heads: int, tokens: list[int], kv_lens: list[int], pages: list[list[int]],
                   batch: int, seq: int, mask_dtype: torch.dtype) -> DecodeInputs:
-    """Host-built inputs for requests feeding `tokens[i]` at position `kv_lens[i]`, padded to `batch`
-    rows and `seq` >= max(kv_lens) + 1 keys. `pages[i]` must cover position kv_lens[i]."""
+    """Host-built inputs for rows feeding `tokens[i]` at position `kv_lens[i]` (a row per new token: an
+    extend's rows repeat its request's pages), padded to `batch` rows and `seq` >= max(kv_lens) + 1
+    keys. `pages[i]` must cover position kv_lens[i]."""
     p, hkv, n = pool.page_size, num_kv_heads, len(tokens)
     scratch_page = pool.scratch_slot // p
     width = -(-seq // p)
