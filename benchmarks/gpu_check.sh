@@ -2,11 +2,13 @@
 # The GPU check, in one run of under 10 minutes on one CUDA GPU:
 #   1. the CUDA parity tests (our logits against transformers on CUDA, float32 and bfloat16),
 #   2. CUDA graph capture: graphs against the eager step (same greedy tokens, logits within 1e-4,
-#      every bucket, a padded one, prefix hits, preemption, a PENDING request),
+#      every bucket, a padded one, prefix hits, preemption, a PENDING request, catch-ups), and no
+#      eager step reaching cuDNN's attention,
 #   3. the default pair's shapes on the GPU: the routed pair against its large model alone through
 #      the entry at concurrency 1, 8 and 32 (benchmarks/gpu_pair.py),
 #   4. decode tok/s of a Qwen3-0.6B-shaped random model in bfloat16 at batch 1, 8, 32 and 64,
 #      eager against CUDA graphs, with the capture time.
+# Steps 1-3 keep going after a failure; the script exits 1 at the end if any failed.
 # Usage (from the repository root, with the project installed in .venv):
 #   bash benchmarks/gpu_check.sh            # PY=/path/to/python to use another interpreter
 set -euo pipefail
@@ -17,10 +19,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 echo "== 1-2. CUDA parity and graph capture tests"
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_compiled_step.py -k cuda -rs || echo "tests: exit $?"
+failed=()
+timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_model_parity.py tests/test_compiled_step.py \
+    tests/test_attention_backend.py -k cuda -rs || failed+=("tests: exit $?")
 
 echo "== 3. the default pair's shapes: routed pair against the large model alone"
-timeout 200 "$PY" benchmarks/gpu_pair.py --device cuda:0 --concurrency 1 8 32 || echo "pair: exit $?"
+timeout 200 "$PY" benchmarks/gpu_pair.py --device cuda:0 --concurrency 1 8 32 || failed+=("pair: exit $?")
 
 echo "== 4. decode benchmark, Qwen3-0.6B-shaped random model, bfloat16"
 timeout 120 "$PY" - <<'EOF'
@@ -55,4 +59,8 @@ for eager in (True, False):
         dt = time.perf_counter() - t0
         print(f"{mode} batch {bs:>2}: {n / dt:8.1f} tok/s decode ({dt / (n / bs) * 1e3:.2f} ms/step)", flush=True)
 EOF
+if ((${#failed[@]})); then
+    echo "== failed: ${failed[*]}"
+    exit 1
+fi
 echo "== done"

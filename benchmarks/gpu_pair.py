@@ -8,7 +8,7 @@ R2R router sent 26 % of the tokens to SmolLM2 at concurrency 8, docs/BENCHMARKS.
 depends on the shapes, the share and the send pattern, not on the weights: every request writes
 `--max-tokens` tokens (EOS ignored). Both models sit on the same device (`--device`, e.g. cuda:0 or
 cpu), each with its own subserver process; the engines keep their defaults for that device (CUDA
-graphs for decode on CUDA up to `--graph-bs` requests, eager on CPU).
+graphs on CUDA for steps of up to `--graph-bs` new tokens, decodes and catch-ups; eager on CPU).
 
     python benchmarks/gpu_pair.py --device cuda:0 --concurrency 1 8 32
 
@@ -58,7 +58,7 @@ def main() -> int:
     ap.add_argument("--requests-per-slot", type=int, default=4, help="requests per concurrency slot")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=51, help="the arith prompts' mean length")
-    ap.add_argument("--graph-bs", type=int, default=32, help="largest decode batch run as a CUDA graph")
+    ap.add_argument("--graph-bs", type=int, default=32, help="most new tokens a step run as a CUDA graph takes")
     args = ap.parse_args()
     if not 0 < args.share < 1:
         raise SystemExit(f"--share must be in (0, 1), got {args.share}")

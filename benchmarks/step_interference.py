@@ -13,9 +13,9 @@ compositions over 80-token contexts already in its cache:
 Each round times every composition `--steps` times (median) with the machine otherwise quiet, then
 again with the pair's student (--config: small first, large second) decoding `--student-batch`
 requests in another process, sleeping between its steps so that it is busy `--student-busy` of the
-time (the pair's student at 8: 0.63-0.65); rounds alternate to spread the machine's drift over
-both. Prints each composition's median step, the ratio with the student beside it, and the ratio's
-spread over the rounds.
+time (the pair's student at 8: 0.63-0.65); each round pairs its two passes, so the machine's drift
+between rounds cancels in the ratio. Prints each composition's median step, the ratio with the
+student beside it, and the ratio's spread over the rounds.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_interference.py --config PAIR.yaml --rounds 3
 """
@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-from multiprocessing.synchronize import Event
 import statistics
 import time
 from itertools import count
+from multiprocessing.synchronize import Event
 
 import torch
 
@@ -63,9 +63,11 @@ class StepTimer:
         self.eng = Engine(EngineConfig(model_path=path, num_threads=1))
         self.base = [[(37 * i + 11 * j) % 40000 + 100 for j in range(CONTEXT)] for i in range(16)]
         self.fresh = count(1)
-        self._drain([self.eng.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True)) for p in self.base])
+        for p in self.base:
+            self.eng.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
+        self._drain()
 
-    def _drain(self, _reqs: object = None) -> None:
+    def _drain(self) -> None:
         while self.eng.has_unfinished():
             self.eng.step()
 
@@ -136,6 +138,9 @@ def main() -> None:
         finally:
             stop.set()
             proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join()
         print(f"round {rnd + 1}: " + ", ".join(f"{n} {q:.1f}/{b:.1f}" for n, q, b in zip(names, quiet[-1], beside[-1])),
               flush=True)
     print("\n| composition | rows | quiet ms | student beside ms | ratio (median) | ratio range over rounds |")

@@ -121,22 +121,32 @@ def test_cuda_graphs_match_eager_on_cuda(arch: str, model_paths: dict[str, Path]
 
 
 def _catch_up(engine: Engine) -> tuple[list[Record], list[list[int]]]:
-    """Request a goes to a peer at step 3 and comes back at step 5 with three tokens the peer wrote;
-    b finishes before, so a's catch-up (its own last token and the three) is a step of its own."""
-    a = engine.add_request(prompts_of([7], seed=21)[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    """Request a goes to a peer at step 3 and comes back at step 5 with three tokens the peer wrote:
+    its catch-up (its own last token and the three) is a step of its own, b having finished. Request
+    c goes at step 8 and comes back at step 9 with one token, while d decodes beside it."""
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    a = engine.add_request(prompts_of([7], seed=21)[0], params)
     b = engine.add_request(prompts_of([6], seed=22)[0], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    c = d = a
     steps: list[Record] = []
-    for i in range(40):
+    for i in range(60):
         if i == 3:
             engine.scheduler.set_pending(a)
         if i == 5:
             engine.receive(a.rid, len(a.tokens), [11, 12, 13])
+        if i == 6:  # a is done by then: the next pair's catch-up step fits the largest bucket (4 rows)
+            c = engine.add_request(prompts_of([5], seed=23)[0], params)
+            d = engine.add_request(prompts_of([6], seed=24)[0], params)
+        if i == 8:
+            engine.scheduler.set_pending(c)
+        if i == 9:
+            engine.receive(c.rid, len(c.tokens), [14])
         if not engine.has_unfinished():
             break
         result = engine.step()
         steps.append([] if result.step is None else _rows(result.step))
         engine.check_integrity()
-    return steps, [a.tokens, b.tokens]
+    return steps, [r.tokens for r in (a, b, c, d)]
 
 
 def test_catch_up_runs_compiled_as_rows(engines: tuple[Engine, Engine]) -> None:
@@ -155,12 +165,14 @@ def _check_catch_up(compiled: Engine, eager: Engine) -> None:
         del decode.run
     want, want_tokens = _catch_up(eager)
     assert [4] in extends  # a's catch-up: 4 rows in one compiled step
+    assert [2, 1] in extends or [1, 2] in extends  # c's catch-up beside d's decode
     assert got_tokens == want_tokens
     for g_step, w_step in zip(got, want, strict=True):
         assert [tok for _, tok, _ in g_step] == [tok for _, tok, _ in w_step]
         for (_, _, g), (_, _, w) in zip(g_step, w_step):
             for name in ("hidden", "logits", "top_vals", "entropy"):
                 assert (g[name] - w[name]).abs().max().item() < 1e-4, name
+            assert torch.equal(g["top_ids"], w["top_ids"])
 
 
 def test_padding_rows_touch_no_request_page(engines: tuple[Engine, Engine]) -> None:

@@ -127,7 +127,7 @@ class CompiledDecode:
         """Compile (CPU) or capture (CUDA) every bucket; returns the seconds it took."""
         t0 = time.perf_counter()
         for bs in self.buckets:
-            self._run(decode_inputs(self.pool, self.num_kv_heads, [], [], [], bs, self._seq(2), self.mask_dtype))
+            self._run(decode_inputs(self.pool, self.num_kv_heads, [], [], [], bs, self._seq(2), self.mask_dtype), 0)
         if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - t0
@@ -142,18 +142,22 @@ class CompiledDecode:
             kv += range(r.kv_len, r.kv_len + e)
             pages += [r.pages] * e
         bs = next(b for b in self.buckets if b >= len(tokens))
-        out = self._run(decode_inputs(self.pool, self.num_kv_heads, tokens, kv, pages, bs,
-                                      self._seq(max(kv) + 1), self.mask_dtype))
+        inputs = decode_inputs(self.pool, self.num_kv_heads, tokens, kv, pages, bs, self._seq(max(kv) + 1),
+                               self.mask_dtype)
         if len(tokens) == len(reqs):  # all decodes: the first rows
-            return out.head(len(reqs))
-        return out.rows(torch.tensor(list(itertools.accumulate(extend_lens)), device=self.device) - 1)
+            return self._run(inputs, len(reqs))
+        # queued behind the step's inputs, so the host does not wait for the step
+        last = (torch.tensor(list(itertools.accumulate(extend_lens))) - 1).to(self.device, non_blocking=True)
+        return self._run(inputs, last)
 
-    def _run(self, inputs: DecodeInputs) -> StepTensors:
+    def _run(self, inputs: DecodeInputs, rows: int | torch.Tensor) -> StepTensors:
+        """The step's outputs at `rows`: the first `rows` rows, or the rows an index names."""
         if not self.cuda:
             # S (the last dim of the index and mask) changes every step: one graph serves all of them.
             torch._dynamo.maybe_mark_dynamic(inputs.kv_index, 1)
             torch._dynamo.maybe_mark_dynamic(inputs.kv_mask, 2)
-            return self.step(inputs)
+            out = self.step(inputs)
+            return out.head(rows) if isinstance(rows, int) else out.rows(rows)
         key = (inputs.input_ids.shape[0], inputs.kv_mask.shape[2])
         if key not in self.graphs:
             self.graphs[key] = self._capture(inputs)
@@ -161,7 +165,10 @@ class CompiledDecode:
         for dst, src in zip(static, inputs):
             dst.copy_(src, non_blocking=True)
         graph.replay()
-        return StepTensors(*(None if t is None else _clone(t) for t in out))
+        if isinstance(rows, int):
+            # A graph's outputs are overwritten by its next replay: hand out copies.
+            return StepTensors(*(None if t is None else _clone(t) for t in out.head(rows)))
+        return out.rows(rows)  # indexing copies already
 
     def _capture(self, inputs: DecodeInputs) -> tuple[torch.cuda.CUDAGraph, DecodeInputs, StepTensors]:
         static = DecodeInputs(*(t.to(self.device) for t in inputs))
@@ -177,5 +184,4 @@ class CompiledDecode:
 
 
 def _clone(t: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    # A graph's outputs are overwritten by its next replay: hand out copies.
     return tuple(x.clone() for x in t) if isinstance(t, tuple) else t.clone()

@@ -39,12 +39,13 @@ class EngineConfig:
     # Tensor parallelism: ranks 1..tp_size-1 run in worker processes the engine spawns (gloo on CPU,
     # NCCL on CUDA, where rank r uses the GPU r places after `device`).
     tp_size: int = 1
-    # Decode steps run compiled per batch bucket (CUDA graphs on CUDA, torch.compile on CPU; SGLang's
-    # names); true runs every step eagerly, false compiles on every device. None (the default): compiled
-    # on CUDA, eager on CPU, where the compiled step measured slower (docs/BENCHMARKS.md, "Compiled decode step").
-    # Prefill always runs eagerly.
+    # Decode steps, and steps of short extends whose requests all sample (catch-ups after a peer's
+    # turn, short prompts; a row per new token), run compiled per row bucket (CUDA graphs on CUDA,
+    # torch.compile on CPU; SGLang's names); true runs every step eagerly, false compiles on every
+    # device. None (the default): compiled on CUDA, eager on CPU, where the compiled step measured
+    # slower (docs/BENCHMARKS.md, "Compiled decode step"). Prompt chunks always run eagerly.
     disable_cuda_graph: bool | None = field(default_factory=_cuda_graph_disabled_by_env)
-    cuda_graph_max_bs: int | None = None  # largest decode batch compiled; default max_running_requests
+    cuda_graph_max_bs: int | None = None  # most rows (new tokens) a compiled step takes; default max_running_requests
     # Linear layers (float32 on CPU, one rank, eager decode; models/packed_linear.py): "skinny" runs
     # inputs of up to 64 rows on the skinny GEMM (built with the C compiler) and larger ones on oneDNN,
     # with norms, rotary and SiLU on fused C ops (models/fused_ops.py); "onednn" runs every row count

@@ -48,8 +48,9 @@ class ModelRunner:
     other ranks before the forward (they run the same model code, so the collectives pair up), and
     sampling happens here only.
 
-    `decode`, when given, runs the batches it accepts (every request decoding one token) through a
-    compiled step (tokenrouter/engine/compiled_step.py); the rest run eagerly here.
+    `decode`, when given, runs the batches it accepts (every request samples, and the new tokens fit
+    its largest bucket: decodes, catch-ups, short prompts) through a compiled step, one row per new
+    token (tokenrouter/engine/compiled_step.py); the rest run eagerly here.
     """
 
     def __init__(self, model: LlamaForCausalLM, pool: KVPool, backend: AttentionBackend,
