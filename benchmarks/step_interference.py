@@ -145,7 +145,7 @@ def main() -> None:
               flush=True)
     print("\n| composition | rows | quiet ms | student beside ms | ratio (median) | ratio range over rounds |")
     print("|---|---:|---:|---:|---:|---|")
-    for j, (kind, r, k) in enumerate(COMPOSITIONS):
+    for j, (_, r, k) in enumerate(COMPOSITIONS):
         q = [row[j] for row in quiet]
         b = [row[j] for row in beside]
         ratios = [y / x for x, y in zip(q, b)]

@@ -39,10 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
-                   default=None, help="run decode steps eagerly (default: compiled per batch bucket on CUDA, "
-                   "eager on CPU, where it measured slower; TOKENROUTER_DISABLE_CUDA_GRAPH=0 compiles there too)")
+                   default=None, help="run decode and catch-up steps eagerly (default: compiled per row bucket on "
+                   "CUDA, eager on CPU, where it measured slower; TOKENROUTER_DISABLE_CUDA_GRAPH=0 compiles there too)")
     g.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                   help="largest decode batch compiled (default: --max-running-requests)")
+                   help="most new tokens (rows) a compiled step takes (default: --max-running-requests)")
     g.add_argument("--random-seed", dest="seed", type=int, default=0)
     for action in g._group_actions:
         if action.dest not in ("model_path", "seed"):
