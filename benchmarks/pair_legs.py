@@ -41,6 +41,7 @@ from tokenrouter.runtime.messages import SetThresholds
 
 sys.path.insert(0, os.path.dirname(__file__))
 from runtime_stages import real_group  # noqa: E402
+from send_patterns_pair import step_fit  # noqa: E402
 
 
 def model_rows(steps, names: list[str], window: tuple[float, float]) -> list[str]:
@@ -54,7 +55,7 @@ def model_rows(steps, names: list[str], window: tuple[float, float]) -> list[str
         ms = np.array([1000 * (s.end - s.start) for s in mine])
         rows = np.array([sum(s.extend_lens) for s in mine], dtype=float)
         reqs = np.array([len(s.rids) for s in mine], dtype=float)
-        coef, *_ = np.linalg.lstsq(np.vstack([np.ones(len(mine)), rows, reqs]).T, ms, rcond=None)
+        coef = 1000 * step_fit(mine, lambda s: [1.0, sum(s.extend_lens), len(s.rids)])
         out.append(f"{name}: busy {ms.sum() / 1000 / (t1 - t0):.2f}, {len(mine)} steps, {int(rows.sum())} rows "
                    f"({rows.mean():.1f} a step, {reqs.mean():.2f} requests), {ms.mean():.1f} ms a step "
                    f"= {coef[0]:.1f} + {coef[1]:.2f} x rows + {coef[2]:.2f} x requests")

@@ -33,6 +33,7 @@ import torch
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.profiler import decode_seconds
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.sampling_params import SamplingParams
 
@@ -63,6 +64,10 @@ class StepTimer:
         self.eng = Engine(EngineConfig(model_path=path, num_threads=1))
         self.base = [[(37 * i + 11 * j) % 40000 + 100 for j in range(CONTEXT)] for i in range(16)]
         self.fresh = count(1)
+        self._prime()
+
+    def _prime(self) -> None:
+        """Put the base prompts in the prefix cache."""
         for p in self.base:
             self.eng.add_request(p, SamplingParams(max_tokens=1, ignore_eos=True))
         self._drain()
@@ -89,17 +94,9 @@ class StepTimer:
         return 1000 * statistics.median(times)
 
     def decode_ms(self, b: int, steps: int) -> float:
-        params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-        for i in range(b):
-            self.eng.add_request(self.base[i] + self._suffix(1), params)
-        self.eng.step()  # the one-token extends that start them
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            self.eng.step()
-            times.append(time.perf_counter() - t0)
-        self._drain()
-        return 1000 * statistics.median(times)
+        ms = 1000 * decode_seconds(self.eng, b, CONTEXT, steps)  # it empties the engine and its cache
+        self._prime()
+        return ms
 
     def row(self, steps: int) -> list[float]:
         return [self.decode_ms(r, steps) if kind == "dec" else self.extend_ms(r, k, steps)
