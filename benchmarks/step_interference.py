@@ -17,7 +17,12 @@ time (the pair's student at 8: 0.63-0.65); each round pairs its two passes, so t
 between rounds cancels in the ratio. Prints each composition's median step, the ratio with the
 student beside it, and the ratio's spread over the rounds.
 
+`--neighbour` puts another process in the student's place, busy the same share of the time, to tell
+what kind of work slows the step: `stream` sums a 256 MB tensor (memory traffic, no reuse),
+`compute` multiplies 96 x 96 matrices that stay in the core's cache (arithmetic, no memory traffic).
+
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_interference.py --config PAIR.yaml --rounds 3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_interference.py --config PAIR.yaml --rounds 5 --neighbour stream
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
+from collections.abc import Callable
 from itertools import count
 from multiprocessing.synchronize import Event
 
@@ -41,18 +47,42 @@ CONTEXT = 80
 COMPOSITIONS = (("dec", 8, 1), ("ext", 1, 1), ("ext", 3, 5), ("ext", 4, 4), ("ext", 3, 8))
 
 
-def student_loop(path: str, batch: int, busy: float, started: Event, stop: Event) -> None:
-    """Decode `batch` requests at a time, idle between steps so the process is busy `busy` of the time."""
-    torch.set_num_threads(1)
+def student_work(path: str, batch: int) -> Callable[[], object]:
+    """One decode step of the student, `batch` requests at a time."""
     eng = Engine(EngineConfig(model_path=path, num_threads=1))
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     ids = count()
-    while not stop.is_set():
+
+    def step() -> None:
         while len(eng.reqs) < batch:
             i = next(ids)
             eng.add_request([(31 * i + j) % 40000 + 100 for j in range(60)], params)
-        t0 = time.perf_counter()
         eng.step()
+    return step
+
+
+def stream_work() -> Callable[[], object]:
+    """One pass over 256 MB: memory traffic the cache cannot hold."""
+    return torch.ones(64 << 20).sum
+
+
+def compute_work() -> Callable[[], object]:
+    """Matrix products on operands that stay in the core's cache: arithmetic without memory traffic."""
+    a, b = torch.randn(96, 96), torch.randn(96, 96)
+
+    def products() -> None:
+        for _ in range(400):
+            torch.mm(a, b)
+    return products
+
+
+def neighbour_loop(kind: str, path: str, batch: int, busy: float, started: Event, stop: Event) -> None:
+    """Run `kind`'s work over and over, idle between runs so the process is busy `busy` of the time."""
+    torch.set_num_threads(1)
+    work = student_work(path, batch) if kind == "student" else stream_work() if kind == "stream" else compute_work()
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        work()
         started.set()
         time.sleep((time.perf_counter() - t0) * (1 / busy - 1))
 
@@ -110,6 +140,8 @@ def main() -> None:
     ap.add_argument("--config", required=True, help="the routed pair's YAML (small first, large second)")
     ap.add_argument("--student-batch", type=int, default=3)
     ap.add_argument("--student-busy", type=float, default=0.65)
+    ap.add_argument("--neighbour", choices=("student", "stream", "compute"), default="student",
+                    help="what runs beside SmolLM2's step, busy --student-busy of the time")
     args = ap.parse_args()
     if not 0 < args.student_busy <= 1:
         raise SystemExit(f"--student-busy must be in (0, 1], got {args.student_busy}")
@@ -125,11 +157,12 @@ def main() -> None:
     for rnd in range(args.rounds):
         quiet.append(timer.row(args.steps))
         started, stop = ctx.Event(), ctx.Event()
-        proc = ctx.Process(target=student_loop, args=(student, args.student_batch, args.student_busy, started, stop))
+        proc = ctx.Process(target=neighbour_loop,
+                           args=(args.neighbour, student, args.student_batch, args.student_busy, started, stop))
         proc.start()
         try:
             if not started.wait(300):
-                raise SystemExit("the student process did not step within 300 s")
+                raise SystemExit(f"the {args.neighbour} process did not run within 300 s")
             time.sleep(1.0)
             beside.append(timer.row(args.steps))
         finally:
@@ -140,7 +173,7 @@ def main() -> None:
                 proc.join()
         print(f"round {rnd + 1}: " + ", ".join(f"{n} {q:.1f}/{b:.1f}" for n, q, b in zip(names, quiet[-1], beside[-1])),
               flush=True)
-    print("\n| composition | rows | quiet ms | student beside ms | ratio (median) | ratio range over rounds |")
+    print(f"\n| composition | rows | quiet ms | {args.neighbour} beside ms | ratio (median) | range over rounds |")
     print("|---|---:|---:|---:|---:|---|")
     for j, (_, r, k) in enumerate(COMPOSITIONS):
         q = [row[j] for row in quiet]
