@@ -19,7 +19,7 @@ student beside it, and the ratio's spread over the rounds.
 
 `--neighbour` puts another process in the student's place, busy the same share of the time, to tell
 what kind of work slows the step: `stream` sums a 256 MB tensor (memory traffic, no reuse),
-`compute` multiplies 96 x 96 matrices that stay in the core's cache (arithmetic, no memory traffic).
+`compute` multiplies 96 x 96 matrices that stay in the core's L2 cache (arithmetic, no memory traffic).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_interference.py --config PAIR.yaml --rounds 3
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_interference.py --config PAIR.yaml --rounds 5 --neighbour stream
@@ -67,7 +67,7 @@ def stream_work() -> Callable[[], object]:
 
 
 def compute_work() -> Callable[[], object]:
-    """Matrix products on operands that stay in the core's cache: arithmetic without memory traffic."""
+    """Matrix products on operands that stay in the core's L2 cache: arithmetic without memory traffic."""
     a, b = torch.randn(96, 96), torch.randn(96, 96)
 
     def products() -> None:
@@ -77,9 +77,13 @@ def compute_work() -> Callable[[], object]:
 
 
 def neighbour_loop(kind: str, path: str, batch: int, busy: float, started: Event, stop: Event) -> None:
-    """Run `kind`'s work over and over, idle between runs so the process is busy `busy` of the time."""
+    """Run `kind`'s work over and over, idle between runs so the process is busy `busy` of the time
+    (`path` and `batch`: the student's model and requests a step, read by `student` only)."""
     torch.set_num_threads(1)
-    work = student_work(path, batch) if kind == "student" else stream_work() if kind == "stream" else compute_work()
+    makers = {"student": lambda: student_work(path, batch), "stream": stream_work, "compute": compute_work}
+    if kind not in makers:
+        raise ValueError(f"neighbour kind {kind!r}: one of {', '.join(makers)}")
+    work = makers[kind]()
     while not stop.is_set():
         t0 = time.perf_counter()
         work()

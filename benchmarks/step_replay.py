@@ -5,15 +5,20 @@ For the large model alone and for the routed group of `--config` (eager), a clos
 requests in flight through the entry (held-out arithmetic chat prompts, EOS ignored, as
 benchmarks/pair_legs.py runs them) with the step trace on (tokenrouter/engine/step_trace.py). The
 large model's steps in the steady window are then replayed, after the group has closed, on a fresh
-engine of the large model in this process: each step's requests get synthetic ids, pages for their
-context, and the runner runs exactly the traced new tokens per request (decodes, catch-ups, prompts)
-over KV left as zeros (a step's cost does not depend on its values). A request's context is what the
-large model computed for it in earlier traced steps, so a first visit that hit the prefix cache is
-replayed with a shorter context than it had; its rows are exact.
+engine of the large model (its config's engine settings, one thread) in this process: each step's
+requests get synthetic ids, pages for their context, and the runner runs exactly the traced new
+tokens per request (decodes, catch-ups, prompts) over whatever KV the pages hold (a step's cost does
+not depend on its values). A request's context is the sum of what the large model computed for it in
+earlier traced steps: a first visit that hit the prefix cache is replayed with a shorter context than
+it had, and a visit that rolled back a token (tokenrouter/engine/engine.py `receive`) with a longer
+one; its rows are exact.
 
-Each replay runs `--rounds` times quietly and, for the routed group, as many times with the student
-beside it in another process (benchmarks/step_interference.py's neighbour, busy as the traced
-student was). Prints, per setup, the live and replayed milliseconds per step and per row.
+A live step is the traced span of `Engine.forward_step`, which includes the work a subserver overlaps
+with it (sending the previous step's outputs, receiving messages); a replayed one is the runner's
+step alone. Each replay runs `--rounds` times quietly and, for the routed group, as many times with
+the student beside it in another process (benchmarks/step_interference.py's neighbour, decoding as
+many requests a step and busy as large a share as the traced student). Prints, per setup, the live
+and replayed milliseconds per step and per row.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step_replay.py --config PAIR.yaml --n 8 --requests 48 \\
         --max-tokens 32
@@ -22,6 +27,7 @@ student was). Prints, per setup, the live and replayed milliseconds per step and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -36,7 +42,6 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.bench.workloads import build_prompts
-from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
@@ -52,8 +57,8 @@ from step_interference import neighbour_loop  # noqa: E402
 
 def traced_run(config: str, setup: str, prompts: list[list[int]], n: int, max_tokens: int,
                trace: str) -> tuple[list[Step], list[Step], tuple[float, float]]:
-    """The large model's steps in the steady window, with the contexts they ran over (a step's
-    `extend_lens` paired with contexts through `contexts`), every traced step, and the window."""
+    """The large model's steps in the steady window, every traced step of the run (`contexts` reads
+    the contexts off them), and the window."""
     cfg = real_group(config, setup)
     if setup == "routed":
         cfg = GroupConfig.from_dict({**cfg.to_dict(), "launch": {"policy": "eager"}})
@@ -70,7 +75,7 @@ def traced_run(config: str, setup: str, prompts: list[list[int]], n: int, max_to
     window = res.steady_window
     if window[1] <= window[0]:
         raise SystemExit(f"{setup}: no steady window; give more --requests than --n")
-    return [s for s in steps if s.model == large and window[0] <= s.start <= window[1]], steps, window
+    return in_window(steps, large, window), steps, window
 
 
 def contexts(steps: list[Step], large: int) -> dict[int, list[int]]:
@@ -92,9 +97,9 @@ def replay(engine: Engine, steps: list[Step], ctx: dict[int, list[int]]) -> list
     pool, page = engine.pool, engine.pool.page_size
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    times = []
+    times: list[float] = []
     for s in steps:
-        reqs = []
+        reqs: list[Req] = []
         for i, (c, e) in enumerate(zip(ctx[id(s)], s.extend_lens)):
             pages = pool.alloc(math.ceil((c + e) / page))
             assert pages is not None, "the replay engine's KV pool is too small"
@@ -109,9 +114,13 @@ def replay(engine: Engine, steps: list[Step], ctx: dict[int, list[int]]) -> list
     return times
 
 
+def in_window(steps: list[Step], model: int, window: tuple[float, float]) -> list[Step]:
+    return [s for s in steps if s.model == model and window[0] <= s.start <= window[1]]
+
+
 def busy(steps: list[Step], model: int, window: tuple[float, float]) -> float:
-    return sum(s.end - s.start for s in steps if s.model == model and window[0] <= s.start <= window[1]) \
-        / (window[1] - window[0])
+    """The share of the window `model` spent in steps."""
+    return sum(s.end - s.start for s in in_window(steps, model, window)) / (window[1] - window[0])
 
 
 def main() -> int:
@@ -123,18 +132,21 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="replays of the traced steps, each way")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    trace = tempfile.mkdtemp(prefix="step-replay-")
-    os.environ[TRACE_ENV] = trace  # before the subservers spawn: they inherit it
     group = GroupConfig.from_yaml(args.config)
-    student, large_path = group.models[0].engine.model_path, group.models[-1].engine.model_path
-    prompts, _ = build_prompts("arith", "cpu", args.requests, 0, load_tokenizer(large_path))
-    runs = {}
-    for setup in ("large", "routed"):
-        for f in os.listdir(trace):  # each setup reads its own run only
-            os.remove(os.path.join(trace, f))
-        runs[setup] = traced_run(args.config, setup, prompts, args.n, args.max_tokens, trace)
-    del os.environ[TRACE_ENV]
-    engine = Engine(EngineConfig(model_path=large_path, num_threads=1))
+    student, large_spec = group.models[0].engine.model_path, group.models[-1].engine
+    prompts, _ = build_prompts("arith", "cpu", args.requests, 0, load_tokenizer(large_spec.model_path))
+    ids = [p for p in prompts if isinstance(p, list)]
+    if len(ids) != len(prompts):
+        raise SystemExit("the arith workload with a tokenizer gives token ids; got text prompts")
+    runs: dict[str, tuple[list[Step], list[Step], tuple[float, float]]] = {}
+    with tempfile.TemporaryDirectory(prefix="step-replay-") as trace:
+        os.environ[TRACE_ENV] = trace  # before the subservers spawn: they inherit it
+        for setup in ("large", "routed"):
+            for f in os.listdir(trace):  # each setup reads its own run only
+                os.remove(os.path.join(trace, f))
+            runs[setup] = traced_run(args.config, setup, ids, args.n, args.max_tokens, trace)
+        del os.environ[TRACE_ENV]
+    engine = Engine(dataclasses.replace(large_spec, num_threads=1))
     ctx_mp = mp.get_context("spawn")
     print(f"N = {args.n}, {args.requests} requests of {args.max_tokens} tokens; the large model's steps in each "
           f"steady window, live and replayed ({args.rounds} rounds each way, medians of the rounds' sums)\n")
@@ -147,6 +159,7 @@ def main() -> int:
         live = sum(s.end - s.start for s in steps)
         replay(engine, steps[:8], ctx)  # warm-up
         kinds = ["quiet"] + (["student beside"] if setup == "routed" else [])
+        student_batch = max(1, round(float(np.mean([len(s.rids) for s in in_window(every, 0, window)] or [1]))))
         sums: dict[str, list[float]] = {k: [] for k in kinds}
         for _ in range(args.rounds):
             for kind in kinds:
@@ -154,8 +167,8 @@ def main() -> int:
                     sums[kind].append(sum(replay(engine, steps, ctx)))
                     continue
                 started, stop = ctx_mp.Event(), ctx_mp.Event()
-                proc = ctx_mp.Process(target=neighbour_loop, args=("student", student, 3, busy(every, 0, window),
-                                                                   started, stop))
+                proc = ctx_mp.Process(target=neighbour_loop, args=("student", student, student_batch,
+                                                                   busy(every, 0, window), started, stop))
                 proc.start()
                 try:
                     if not started.wait(300):
