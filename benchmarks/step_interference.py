@@ -31,7 +31,8 @@ import argparse
 import multiprocessing as mp
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import count
 from multiprocessing.synchronize import Event
 
@@ -74,6 +75,26 @@ def compute_work() -> Callable[[], object]:
         for _ in range(400):
             torch.mm(a, b)
     return products
+
+
+@contextmanager
+def beside(kind: str, path: str, batch: int, busy: float) -> Iterator[None]:
+    """`kind`'s neighbour (`neighbour_loop`) running in another process for the body's duration."""
+    ctx = mp.get_context("spawn")
+    started, stop = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=neighbour_loop, args=(kind, path, batch, busy, started, stop))
+    proc.start()
+    try:
+        if not started.wait(300):
+            raise SystemExit(f"the {kind} process did not run within 300 s")
+        time.sleep(1.0)  # past its first runs
+        yield
+    finally:
+        stop.set()
+        proc.join(30)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join()
 
 
 def neighbour_loop(kind: str, path: str, batch: int, busy: float, started: Event, stop: Event) -> None:
@@ -156,32 +177,18 @@ def main() -> None:
     timer.row(4)  # warm-up: kernels built, allocator settled
     names = [f"{kind} {r}" if kind == "dec" else f"ext {r} x {k}" for kind, r, k in COMPOSITIONS]
     quiet: list[list[float]] = []
-    beside: list[list[float]] = []
-    ctx = mp.get_context("spawn")
+    loaded: list[list[float]] = []
     for rnd in range(args.rounds):
         quiet.append(timer.row(args.steps))
-        started, stop = ctx.Event(), ctx.Event()
-        proc = ctx.Process(target=neighbour_loop,
-                           args=(args.neighbour, student, args.student_batch, args.student_busy, started, stop))
-        proc.start()
-        try:
-            if not started.wait(300):
-                raise SystemExit(f"the {args.neighbour} process did not run within 300 s")
-            time.sleep(1.0)
-            beside.append(timer.row(args.steps))
-        finally:
-            stop.set()
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join()
-        print(f"round {rnd + 1}: " + ", ".join(f"{n} {q:.1f}/{b:.1f}" for n, q, b in zip(names, quiet[-1], beside[-1])),
+        with beside(args.neighbour, student, args.student_batch, args.student_busy):
+            loaded.append(timer.row(args.steps))
+        print(f"round {rnd + 1}: " + ", ".join(f"{n} {q:.1f}/{b:.1f}" for n, q, b in zip(names, quiet[-1], loaded[-1])),
               flush=True)
     print(f"\n| composition | rows | quiet ms | {args.neighbour} beside ms | ratio (median) | range over rounds |")
     print("|---|---:|---:|---:|---:|---|")
     for j, (_, r, k) in enumerate(COMPOSITIONS):
         q = [row[j] for row in quiet]
-        b = [row[j] for row in beside]
+        b = [row[j] for row in loaded]
         ratios = [y / x for x, y in zip(q, b)]
         print(f"| {names[j]} | {r * k} | {statistics.median(q):.1f} | {statistics.median(b):.1f} | "
               f"{statistics.median(ratios):.2f}x | {min(ratios):.2f}-{max(ratios):.2f} |")

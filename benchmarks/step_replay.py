@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -52,7 +51,7 @@ from tokenrouter.runtime.group_config import GroupConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
 from runtime_stages import real_group  # noqa: E402
-from step_interference import neighbour_loop  # noqa: E402
+from step_interference import beside  # noqa: E402
 
 
 def traced_run(config: str, setup: str, prompts: list[list[int]], n: int, max_tokens: int,
@@ -147,7 +146,6 @@ def main() -> int:
             runs[setup] = traced_run(args.config, setup, ids, args.n, args.max_tokens, trace)
         del os.environ[TRACE_ENV]
     engine = Engine(dataclasses.replace(large_spec, num_threads=1))
-    ctx_mp = mp.get_context("spawn")
     print(f"N = {args.n}, {args.requests} requests of {args.max_tokens} tokens; the large model's steps in each "
           f"steady window, live and replayed ({args.rounds} rounds each way, medians of the rounds' sums)\n")
     print("| setup | replay | steps | rows a step | requests a step | ms a step | ms a row | / live |")
@@ -158,29 +156,14 @@ def main() -> int:
         rows = sum(sum(s.extend_lens) for s in steps)
         live = sum(s.end - s.start for s in steps)
         replay(engine, steps[:8], ctx)  # warm-up
-        kinds = ["quiet"] + (["student beside"] if setup == "routed" else [])
-        student_batch = max(1, round(float(np.mean([len(s.rids) for s in in_window(every, 0, window)] or [1]))))
-        sums: dict[str, list[float]] = {k: [] for k in kinds}
+        # the student beside the replay decodes as many requests a step, and is as busy, as it was traced
+        batch = max(1, round(float(np.mean([len(s.rids) for s in in_window(every, 0, window)] or [1]))))
+        sums: dict[str, list[float]] = {"quiet": []}
         for _ in range(args.rounds):
-            for kind in kinds:
-                if kind == "quiet":
-                    sums[kind].append(sum(replay(engine, steps, ctx)))
-                    continue
-                started, stop = ctx_mp.Event(), ctx_mp.Event()
-                proc = ctx_mp.Process(target=neighbour_loop, args=("student", student, student_batch,
-                                                                   busy(every, 0, window), started, stop))
-                proc.start()
-                try:
-                    if not started.wait(300):
-                        raise SystemExit("the student process did not step within 300 s")
-                    time.sleep(1.0)
-                    sums[kind].append(sum(replay(engine, steps, ctx)))
-                finally:
-                    stop.set()
-                    proc.join(30)
-                    if proc.is_alive():
-                        proc.terminate()
-                        proc.join()
+            sums["quiet"].append(sum(replay(engine, steps, ctx)))
+            if setup == "routed":
+                with beside("student", student, batch, busy(every, 0, window)):
+                    sums.setdefault("student beside", []).append(sum(replay(engine, steps, ctx)))
         n, req = len(steps), np.mean([len(s.rids) for s in steps])
         print(f"| {setup} | live | {n} | {rows / n:.1f} | {req:.2f} | {1000 * live / n:.1f} | "
               f"{1000 * live / rows:.2f} | 1.00 |")

@@ -27,11 +27,10 @@ class StepTensors(NamedTuple):
     entropy: torch.Tensor | None
 
     def head(self, n: int) -> StepTensors:
-        """The first n rows (a padded compiled step's real rows)."""
-        top = None if self.top_logits is None else (self.top_logits[0][:n], self.top_logits[1][:n])
-        return StepTensors(self.hidden[:n], self.logits[:n], top, None if self.entropy is None else self.entropy[:n])
+        """The first n rows (a padded compiled step's real rows), as views."""
+        return self.rows(slice(0, n))
 
-    def rows(self, index: torch.Tensor) -> StepTensors:
+    def rows(self, index: torch.Tensor | slice) -> StepTensors:
         """The rows at `index` (the sampled rows of a compiled step that ran several rows a request)."""
         top = None if self.top_logits is None else (self.top_logits[0][index], self.top_logits[1][index])
         return StepTensors(self.hidden[index], self.logits[index], top,
