@@ -70,6 +70,9 @@ def test_engine_runs_layers_and_sampling_on_the_fused_ops(model_paths) -> None:
                        page_size=4, disable_cuda_graph=True)
     eng = Engine(cfg, outputs=StepOutputSpec())
     assert eng.model.fused_ops is not None and eng.runner.sampler.fused is eng.model.fused_ops
+    # Sampling from full logits is what this checks (greedy steps take the screened head otherwise,
+    # whose argmax is over a few columns: tests/test_screened_head.py).
+    eng.model.lm_head_screened = None
     for i, p in enumerate(prompts_of([5, 9], seed=2)):
         eng.add_request(p, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), rid=f"r{i}")
     eng.step()

@@ -19,14 +19,35 @@ from tokenrouter.engine.grammar import apply_grammar_masks
 from tokenrouter.engine.req import Req
 
 
+def _constrained(r: Req) -> bool:
+    return r.grammar is not None
+
+
+def _biased(r: Req) -> bool:
+    return bool(r.params.logit_bias)
+
+
+def _held(r: Req) -> bool:
+    return r.num_output < r.params.min_tokens
+
+
+def _penalized(r: Req) -> bool:
+    return r.params.penalized
+
+
+def processed(r: Req) -> bool:
+    """Whether any rule changes this request's logits at its next token."""
+    return _constrained(r) or _biased(r) or _held(r) or _penalized(r)
+
+
 def process_logits(logits: torch.Tensor, reqs: Sequence[Req], eos_token_ids: Iterable[int]) -> torch.Tensor:
     """The logits [S, V] to sample from for the S requests `reqs` (row order). The input is not
     modified (logprobs and routing signals read the model's own logits); when no request uses a rule
     it is returned as is."""
-    constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
-    biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
-    held = [i for i, r in enumerate(reqs) if r.num_output < r.params.min_tokens]
-    penalized = [i for i, r in enumerate(reqs) if r.params.penalized]
+    constrained = [i for i, r in enumerate(reqs) if _constrained(r)]
+    biased = [i for i, r in enumerate(reqs) if _biased(r)]
+    held = [i for i, r in enumerate(reqs) if _held(r)]
+    penalized = [i for i, r in enumerate(reqs) if _penalized(r)]
     if not (constrained or biased or held or penalized):
         return logits
     out = logits.clone()

@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 
 from tokenrouter.engine.compiled_step import CompiledDecode
-from tokenrouter.engine.logits_processing import process_logits
+from tokenrouter.engine.logits_processing import process_logits, processed
 from tokenrouter.engine.req import Req
 from tokenrouter.engine.sampler import Sampler, SamplingBatch
 from tokenrouter.engine.step_outputs import StepOutputSpec, StepTensors, step_tensors
@@ -122,9 +122,21 @@ class ModelRunner:
         sampled = [reqs[i] for i in sampled_idx]
         if not sampled:
             return StepOutput([], [], None, None, None, None, None, None)
-        return self._sample(sampled, step_tensors(self.model, hidden[batch.sample_rows], self.outputs))
+        return self._sample(sampled, step_tensors(self.model, hidden[batch.sample_rows], self.outputs,
+                                                  greedy=self._greedy(sampled)))
+
+    @staticmethod
+    def _greedy(sampled: list[Req]) -> bool:
+        """Whether every row takes the argmax of the model's own logits and reads nothing else of them
+        (so a step may take the screened head: tokenrouter/models/screened_head.py)."""
+        return all(r.params.temperature == 0.0 and r.params.logprobs is None and not processed(r) for r in sampled)
 
     def _sample(self, sampled: list[Req], t: StepTensors) -> StepOutput:
+        spec = self.outputs
+        if t.logits is None:  # the screened head: every row greedy (see _greedy)
+            assert t.argmax is not None
+            return StepOutput(sampled, t.argmax.tolist(), None, None, t.hidden if spec.hidden else None, None,
+                              t.top_logits, None)
         sb = SamplingBatch(
             temperatures=[r.params.temperature for r in sampled],
             top_ks=[r.params.top_k for r in sampled],
@@ -133,7 +145,6 @@ class ModelRunner:
             positions=[len(r.tokens) for r in sampled],
         )
         next_ids = self.sampler.sample(process_logits(t.logits, sampled, self.eos_token_ids), sb)
-        spec = self.outputs
         logprobs = top_lps = None
         if any(r.params.logprobs is not None for r in sampled):
             lsm = torch.log_softmax(t.logits, dim=-1)

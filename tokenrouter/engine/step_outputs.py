@@ -19,12 +19,14 @@ class StepOutputSpec(NamedTuple):
 
 
 class StepTensors(NamedTuple):
-    """For each sampled row: its hidden state, float32 logits, and what the spec asks beyond them."""
+    """For each sampled row: its hidden state, float32 logits, and what the spec asks beyond them. A
+    step on the screened head (greedy rows only) has no logits but each row's exact `argmax`."""
 
     hidden: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     top_logits: tuple[torch.Tensor, torch.Tensor] | None
     entropy: torch.Tensor | None
+    argmax: torch.Tensor | None = None
 
     def head(self, n: int) -> StepTensors:
         """The first n rows (a padded compiled step's real rows), as views."""
@@ -32,12 +34,24 @@ class StepTensors(NamedTuple):
 
     def rows(self, index: torch.Tensor | slice) -> StepTensors:
         """The rows at `index` (the sampled rows of a compiled step that ran several rows a request)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
         top = None if self.top_logits is None else (self.top_logits[0][index], self.top_logits[1][index])
-        return StepTensors(self.hidden[index], self.logits[index], top,
-                           None if self.entropy is None else self.entropy[index])
+        return StepTensors(self.hidden[index], pick(self.logits), top, pick(self.entropy), pick(self.argmax))
 
 
-def step_tensors(model: LlamaForCausalLM, hidden: torch.Tensor, spec: StepOutputSpec) -> StepTensors:
+def step_tensors(model: LlamaForCausalLM, hidden: torch.Tensor, spec: StepOutputSpec,
+                 greedy: bool = False) -> StepTensors:
+    """The spec's outputs for the sampled rows' final hidden states. `greedy`: every row samples its
+    argmax from unprocessed logits, so where the model has a screened head and the spec asks for no
+    full logits or entropy, the step takes the screen's exact argmax and top-k instead of the logits."""
+    screened = model.lm_head_screened
+    if greedy and screened is not None and not (spec.logits or spec.entropy) and screened.takes(hidden):
+        top = screened.top(hidden, spec.top_logits)
+        if top is not None:
+            pair = None if top.values is None or top.ids is None else (top.values, top.ids)
+            return StepTensors(hidden, None, pair, None, top.argmax)
     logits = model.compute_logits(hidden)
     top = tuple(logits.topk(spec.top_logits, dim=-1)) if spec.top_logits else None
     entropy = None

@@ -30,6 +30,7 @@ from tokenrouter.models.parallel_layers import (
     VocabParallelEmbedding,
     parallel_logits,
 )
+from tokenrouter.models.screened_head import ScreenedHead
 from tokenrouter.models.tp_group import TPGroup, check_tp_divisible
 
 
@@ -111,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.lm_head_packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
+        self.lm_head_screened: ScreenedHead | None = None  # pack_linear_weights, with the skinny kernel
         self.fused_ops: FusedOps | None = None  # use_fused_ops
 
     @property
@@ -143,7 +145,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_linear_weights(self, max_step_rows: int, max_sampled_rows: int,
                             skinny: skinny_gemm.SkinnyGemm | None) -> None:
         """Prepack every linear weight and the output head (float32 on CPU, no tensor parallelism;
-        models/packed_linear.py: the `skinny` kernel for few rows where given, oneDNN for the rest)
+        models/packed_linear.py: the `skinny` kernel for few rows where given, oneDNN for the rest;
+        with the kernel, the head's screen too: models/screened_head.py)
         and warm up the row counts a step of up to `max_step_rows` rows, sampling up to
         `max_sampled_rows`, runs at. The original weights stay for loading and tests."""
         assert self.tp.size == 1, "packed linears are for a single rank"
@@ -153,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
                 module.packed = packed_linear.pack(module.weight, skinny)
                 pairs.append((module.weight, module.packed))
         self.lm_head_packed = packed_linear.pack(self.lm_head_weight, skinny)
+        if skinny is not None:
+            self.lm_head_screened = ScreenedHead(self.lm_head_weight, skinny)
         packed_linear.warm_up(pairs, max_step_rows)
         packed_linear.warm_up([(self.lm_head_weight, self.lm_head_packed)], max_sampled_rows)
 

@@ -1,0 +1,88 @@
+"""The screened output head: a step's exact argmax and top-k logits without the float32 product of the
+whole vocabulary, for float32 on CPU (the skinny kernel's three screen products, skinny_gemm.c).
+
+Why: the output head is the widest product of a small model (the default student's 49,152 x 576 head
+is 113 MB of its 156 MB a step), and greedy decoding and the routers that read the top-k logits
+need only the few largest of its products. The screen reads a bfloat16 copy (half the bytes, two
+multiply-adds an instruction lane with AVX512-BF16), bounds its error rigorously, and recomputes
+exactly, in float32, only the columns the bound cannot rule out; those values are bit-identical to
+the full head's (the same tile computes them), so the tokens and the top-k values do not change.
+
+The bound. For a row x and column w (float32, k features), let e be the float32 head's value (an
+ordered sum of k fused multiply-adds) and a the screen's (x and w rounded to bfloat16 to nearest,
+unit roundoff u_b = 2^-8; their products exact in float32; k roundings of unit u = 2^-24). With
+g = k u / (1 - k u) and s = sum_j |x_j w_j| <= ||x|| ||w|| (Cauchy-Schwarz):
+    |e - x.w| <= g s,    |a - x.w| <= (2 u_b + u_b^2) s + g (1 + u_b)^2 s,
+so |a - e| <= c ||x|| ||w|| with c = 2 u_b + u_b^2 + g ((1 + u_b)^2 + 1), taken 1e-6 larger to cover
+the float64 arithmetic of the selection, plus an absolute term for the subnormal products and sums
+AVX512-BF16 flushes to zero (each off by less than 2^-126 (1 + max|x_j|)(1 + max|w_j|)).
+
+The selection. Let b_j be column j's bound. The top-k-th largest of a_j - b_j is at most the exact
+k-th largest logit, so a column whose a_j + b_j falls below it cannot be among the exact top k. The
+union of the other columns over the rows (ascending) holds every row's exact top k and every index
+of its largest logit; recomputed exactly, their top k is the full head's and their first maximum its
+argmax (tests/test_screened_head.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from tokenrouter.models import onednn_linear, skinny_gemm
+
+_UB, _U = 2.0 ** -8, 2.0 ** -24
+MAX_ROWS = onednn_linear.MAX_EXACT_ROWS  # larger steps (prompt scoring, long catch-ups) take the full head
+
+
+class ScreenedTop(NamedTuple):
+    """Per row: the argmax (the first index of the largest logit, as torch.argmax) and, when asked,
+    the k largest exact logits (descending) and their token ids."""
+
+    argmax: torch.Tensor
+    values: torch.Tensor | None
+    ids: torch.Tensor | None
+
+
+class ScreenedHead:
+    """Over a float32 head weight [vocab, k] (the model's own tensor, not copied) and its bfloat16
+    pair panels (built here, half its size). `top(x, k)` is None where a row is not finite: the caller
+    then computes the full logits."""
+
+    def __init__(self, weight: torch.Tensor, kernel: skinny_gemm.SkinnyGemm) -> None:
+        if weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
+            raise ValueError(f"the screened head takes a float32 [vocab, hidden] weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)}")
+        self.weight = weight.detach()
+        self.kernel = kernel
+        self.pairs = skinny_gemm.pack_pairs(self.weight)
+        self.norms = self.weight.double().norm(dim=1)
+        k = weight.shape[1]
+        g = k * _U / (1 - k * _U)
+        self.factor = (2 * _UB + _UB ** 2 + g * ((1 + _UB) ** 2 + 1)) * (1 + 1e-6)
+        self.flushed = 2 * k * 2.0 ** -126 * (1 + float(self.weight.abs().max()))  # times (1 + max|x_j|)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether the screen serves these rows (float32 on CPU, the skinny kernel's row counts)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and 1 <= x.shape[0] <= MAX_ROWS
+
+    def columns(self, x: torch.Tensor, k: int) -> torch.Tensor | None:
+        """The columns (ascending) the screen cannot rule out of some row's k largest logits (k >= 1)."""
+        approx = self.kernel.screen(x, self.pairs, self.weight.shape[0])
+        xd = x.double()
+        offset = self.flushed * (1 + float(xd.abs().max()))
+        return self.kernel.select(approx, k, self.factor * xd.norm(dim=1), self.norms, offset)
+
+    def top(self, x: torch.Tensor, k: int) -> ScreenedTop | None:
+        """x [rows, hidden] float32: each row's argmax and, for k > 0, its k largest exact logits (k <= vocab)."""
+        cols = self.columns(x, max(k, 1))
+        if cols is None:
+            return None
+        exact = self.kernel.gather(x, self.weight, cols)
+        argmax = cols[exact.argmax(dim=1)]
+        if not k:
+            return ScreenedTop(argmax, None, None)
+        values, at = exact.topk(k, dim=1)
+        return ScreenedTop(argmax, values, cols[at])
