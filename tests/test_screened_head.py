@@ -12,8 +12,9 @@ from engine_utils import need_compiler, prompts_of
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.logits_processing import processed
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.models import onednn_linear, skinny_gemm
+from tokenrouter.models import native_build, onednn_linear, skinny_gemm
 from tokenrouter.models.screened_head import ScreenedHead
 from tokenrouter.sampling_params import SamplingParams
 
@@ -57,6 +58,26 @@ def test_screen_stays_within_its_bound(rows: int, k: int, n: int) -> None:
     assert ((approx.double() - xb @ wb.T).abs() <= 1.01 * summed).all()
 
 
+def test_screen_without_avx512_bf16_stays_within_its_bound() -> None:
+    """The widening path CPUs without AVX512-BF16 take (built here with the instructions turned off):
+    the same bound, the same products to float32 summation error."""
+    need_compiler()
+    lib = native_build.load_library(skinny_gemm.SOURCE, (*skinny_gemm.COMPILE_FLAGS, "-mno-avx512bf16"),
+                                    "skinny GEMM without AVX512-BF16", "skipped")
+    if lib is None:
+        pytest.skip("the compiler takes no -mno-avx512bf16 (not x86)")
+    widening, gemm = skinny_gemm.SkinnyGemm(lib), kernel()
+    gen = torch.Generator().manual_seed(8)
+    w, x = torch.randn(200, 77, generator=gen), torch.randn(6, 77, generator=gen) * 2
+    head = ScreenedHead(w, gemm)
+    approx = widening.screen(x, head.pairs, 200)
+    exact = gemm(x, skinny_gemm.pack(w), 200, None)
+    bound = head.factor * x.double().norm(dim=1)[:, None] * head.norms[None]
+    assert ((approx.double() - exact.double()).abs() <= bound).all()
+    xb, wb = x.bfloat16().double(), w.bfloat16().double()
+    assert ((approx.double() - xb @ wb.T).abs() <= 1.01 * 77 * 2.0 ** -24 * (xb.abs() @ wb.abs().T)).all()
+
+
 def test_gather_is_bit_identical_to_the_float32_head() -> None:
     gemm = kernel()
     gen = torch.Generator().manual_seed(7)
@@ -83,8 +104,8 @@ def test_top_is_the_full_heads(top: int, make) -> None:
     (sorted_head), the exact top-k values and the first argmax are the full head's (shrinking the
     bound below the screen's error makes this fail)."""
     gemm = kernel()
-    w, x = make(300, 96, seed=3)
-    full = gemm(x, skinny_gemm.pack(w), 300, None)
+    w, x = make(4000, 96, seed=3)  # wide enough that no batch leaves more than 4000 // 8 to recompute
+    full = gemm(x, skinny_gemm.pack(w), 4000, None)
     got = ScreenedHead(w, gemm).top(x, top)
     assert got is not None
     assert torch.equal(got.argmax, full.argmax(dim=1))
@@ -106,13 +127,31 @@ def test_exact_ties_keep_the_first_index() -> None:
     assert sorted(got.ids[0].tolist()) == [9, 30, 50]
 
 
-def test_rows_that_are_not_finite_are_refused() -> None:
+def test_what_is_not_finite_goes_to_the_full_head() -> None:
     gemm = kernel()
-    w, x = near_ties(100, 32, seed=4)
+    w, x = near_ties(1000, 32, seed=4)
+    assert ScreenedHead(w, gemm).top(x, 4) is not None
     x[2, 3] = float("nan")
     assert ScreenedHead(w, gemm).top(x, 4) is None
     x[2, 3] = float("inf")
     assert ScreenedHead(w, gemm).top(x, 4) is None
+    w, x = near_ties(1000, 32, seed=4)
+    w[70, 1] = float("inf")
+    assert ScreenedHead(w, gemm).top(x, 4) is None
+    # finite inputs, one column's sum not finite (+inf and -inf products) where the rest are
+    w = torch.randn(1000, 2, generator=torch.Generator().manual_seed(6))
+    w[70] = torch.tensor([1e20, -1e20])
+    x = torch.full((1, 2), 1e20)
+    assert ScreenedHead(w, gemm).top(x, 4) is None
+
+
+def test_a_flat_row_goes_to_the_full_head() -> None:
+    """A row the screen cannot narrow (x = 0: every column ties) would recompute the whole head."""
+    gemm = kernel()
+    w, x = near_ties(800, 32, seed=5)  # a row of x alone leaves the 48 near-ties, under 800 // 8
+    head = ScreenedHead(w, gemm)
+    x[1] = 0.0
+    assert head.top(x[:1], 3) is not None and head.top(x, 3) is None
 
 
 def run_steps(eng: Engine, params: list[SamplingParams]) -> list[StepOutput]:
@@ -167,3 +206,9 @@ def test_greedy_steps_take_the_screen_with_the_full_heads_results(model_paths, m
                 assert len(calls) == before + 1, extra
         assert with_special == 4 and all(r.num_output == 12 for r in reqs), extra
         screened.check_integrity()
+    # A structured-output request reads the grammar's mask over the whole vocabulary.
+    req = screened.add_request(prompts_of([5], seed=9)[0], greedy[0])
+    assert not processed(req)
+    req.grammar = object()  # any matcher: the predicate reads only its presence
+    assert processed(req)
+    screened.abort_all()

@@ -14,8 +14,9 @@ unit roundoff u_b = 2^-8; their products exact in float32; k roundings of unit u
 g = k u / (1 - k u) and s = sum_j |x_j w_j| <= ||x|| ||w|| (Cauchy-Schwarz):
     |e - x.w| <= g s,    |a - x.w| <= (2 u_b + u_b^2) s + g (1 + u_b)^2 s,
 so |a - e| <= c ||x|| ||w|| with c = 2 u_b + u_b^2 + g ((1 + u_b)^2 + 1), taken 1e-6 larger to cover
-the float64 arithmetic of the selection, plus an absolute term for the subnormal products and sums
-AVX512-BF16 flushes to zero (each off by less than 2^-126 (1 + max|x_j|)(1 + max|w_j|)).
+the float64 arithmetic of the selection, plus an absolute term for the subnormal inputs, products and
+sums AVX512-BF16 flushes to zero: a term is off by less than 2^-126 (2 + |x_j| + |w_j|)(1 + u_b), under
+3 * 2^-126 (1 + max|x_j|)(1 + max|w_j|), so k times that covers the row.
 
 The selection. Let b_j be column j's bound. The top-k-th largest of a_j - b_j is at most the exact
 k-th largest logit, so a column whose a_j + b_j falls below it cannot be among the exact top k. The
@@ -47,8 +48,8 @@ class ScreenedTop(NamedTuple):
 
 class ScreenedHead:
     """Over a float32 head weight [vocab, k] (the model's own tensor, not copied) and its bfloat16
-    pair panels (built here, half its size). `top(x, k)` is None where a row is not finite: the caller
-    then computes the full logits."""
+    pair panels (built here, half its size). Where `top(x, k)` is None the caller computes the full
+    logits."""
 
     def __init__(self, weight: torch.Tensor, kernel: skinny_gemm.SkinnyGemm) -> None:
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
@@ -57,11 +58,14 @@ class ScreenedHead:
         self.weight = weight.detach()
         self.kernel = kernel
         self.pairs = skinny_gemm.pack_pairs(self.weight)
-        self.norms = self.weight.double().norm(dim=1)
+        self.norms = torch.linalg.vector_norm(self.weight, dim=1, dtype=torch.float64)
         k = weight.shape[1]
         g = k * _U / (1 - k * _U)
         self.factor = (2 * _UB + _UB ** 2 + g * ((1 + _UB) ** 2 + 1)) * (1 + 1e-6)
-        self.flushed = 2 * k * 2.0 ** -126 * (1 + float(self.weight.abs().max()))  # times (1 + max|x_j|)
+        low, high = torch.aminmax(self.weight)
+        self.flushed = 3 * k * 2.0 ** -126 * (1 + max(-float(low), float(high)))  # times (1 + max|x_j|)
+        # Past this many columns to recompute (a flat row), the full head is cheaper.
+        self.max_columns = max(weight.shape[0] // 8, 1)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -76,9 +80,11 @@ class ScreenedHead:
         return self.kernel.select(approx, k, self.factor * xd.norm(dim=1), self.norms, offset)
 
     def top(self, x: torch.Tensor, k: int) -> ScreenedTop | None:
-        """x [rows, hidden] float32: each row's argmax and, for k > 0, its k largest exact logits (k <= vocab)."""
+        """x [rows, hidden] float32: each row's argmax and, for k > 0, its k largest exact logits (k <= vocab;
+        the ids of equal logits may come in another order than torch.topk's over the full row). None
+        where a row is not finite or the screen leaves more than `max_columns` to recompute."""
         cols = self.columns(x, max(k, 1))
-        if cols is None:
+        if cols is None or len(cols) > self.max_columns:
             return None
         exact = self.kernel.gather(x, self.weight, cols)
         argmax = cols[exact.argmax(dim=1)]
