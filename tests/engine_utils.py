@@ -14,6 +14,7 @@ from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.model_runner import StepOutputSpec
 from tokenrouter.engine.req import Req
+from tokenrouter.models import skinny_gemm
 from tokenrouter.sampling_params import SamplingParams
 
 Logits = dict[str, list[tuple[int, torch.Tensor]]]  # rid -> [(position of the input row, logits)]
@@ -29,6 +30,14 @@ def need_compiler() -> None:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+def skinny_kernel() -> skinny_gemm.SkinnyGemm:
+    """The skinny GEMM, built (needs the compiler: need_compiler)."""
+    need_compiler()
+    k = skinny_gemm.load_kernel()
+    assert k is not None
+    return k
 
 
 def make_engine(path: Path, **kw: Any) -> Engine:

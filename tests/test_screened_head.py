@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import need_compiler, prompts_of
+from engine_utils import need_compiler, prompts_of, skinny_kernel
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
@@ -19,13 +19,6 @@ from tokenrouter.models.screened_head import ScreenedHead
 from tokenrouter.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="PyTorch built without oneDNN")
-
-
-def kernel() -> skinny_gemm.SkinnyGemm:
-    need_compiler()
-    k = skinny_gemm.load_kernel()
-    assert k is not None
-    return k
 
 
 def near_ties(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +36,7 @@ def near_ties(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("rows,k,n", [(1, 70, 300), (5, 64, 33), (9, 576, 500), (3, 1, 17)])
 def test_screen_stays_within_its_bound(rows: int, k: int, n: int) -> None:
-    gemm = kernel()
+    gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(rows + k + n)
     w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 4
     x = torch.randn(rows, k, generator=gen) * 3
@@ -66,7 +59,7 @@ def test_screen_without_avx512_bf16_stays_within_its_bound() -> None:
                                     "skinny GEMM without AVX512-BF16", "skipped")
     if lib is None:
         pytest.skip("the compiler takes no -mno-avx512bf16 (not x86)")
-    widening, gemm = skinny_gemm.SkinnyGemm(lib), kernel()
+    widening, gemm = skinny_gemm.SkinnyGemm(lib), skinny_kernel()
     gen = torch.Generator().manual_seed(8)
     w, x = torch.randn(200, 77, generator=gen), torch.randn(6, 77, generator=gen) * 2
     head = ScreenedHead(w, gemm)
@@ -79,7 +72,7 @@ def test_screen_without_avx512_bf16_stays_within_its_bound() -> None:
 
 
 def test_gather_is_bit_identical_to_the_float32_head() -> None:
-    gemm = kernel()
+    gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(7)
     w, x = torch.randn(200, 96, generator=gen), torch.randn(13, 96, generator=gen)
     full = gemm(x, skinny_gemm.pack(w), 200, None)
@@ -103,7 +96,7 @@ def test_top_is_the_full_heads(top: int, make) -> None:
     """On columns the screen cannot tell apart (near_ties), and where the largest come first
     (sorted_head), the exact top-k values and the first argmax are the full head's (shrinking the
     bound below the screen's error makes this fail)."""
-    gemm = kernel()
+    gemm = skinny_kernel()
     w, x = make(4000, 96, seed=3)  # wide enough that no batch leaves more than 4000 // 8 to recompute
     full = gemm(x, skinny_gemm.pack(w), 4000, None)
     got = ScreenedHead(w, gemm).top(x, top)
@@ -118,7 +111,7 @@ def test_top_is_the_full_heads(top: int, make) -> None:
 
 
 def test_exact_ties_keep_the_first_index() -> None:
-    gemm = kernel()
+    gemm = skinny_kernel()
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     w[50] = w[9] = w[30] = w[9] * 3  # the largest logit of x = w[9], three times
     x = w[9:10].clone() / 3
@@ -128,7 +121,7 @@ def test_exact_ties_keep_the_first_index() -> None:
 
 
 def test_what_is_not_finite_goes_to_the_full_head() -> None:
-    gemm = kernel()
+    gemm = skinny_kernel()
     w, x = near_ties(1000, 32, seed=4)
     assert ScreenedHead(w, gemm).top(x, 4) is not None
     x[2, 3] = float("nan")
@@ -147,7 +140,7 @@ def test_what_is_not_finite_goes_to_the_full_head() -> None:
 
 def test_a_flat_row_goes_to_the_full_head() -> None:
     """A row the screen cannot narrow (x = 0: every column ties) would recompute the whole head."""
-    gemm = kernel()
+    gemm = skinny_kernel()
     w, x = near_ties(800, 32, seed=5)  # a row of x alone leaves the 48 near-ties, under 800 // 8
     head = ScreenedHead(w, gemm)
     x[1] = 0.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from engine_utils import need_compiler
+from engine_utils import skinny_kernel
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
@@ -18,20 +18,13 @@ from tokenrouter.models import onednn_linear, packed_linear, skinny_gemm
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="PyTorch built without oneDNN")
 
 
-def kernel() -> skinny_gemm.SkinnyGemm:
-    need_compiler()
-    k = skinny_gemm.load_kernel()
-    assert k is not None
-    return k
-
-
 # rows 1-4 (four panels a tile), 5-8 (two), 9-20 (chunks of eight rows); widths that leave a last
 # panel of 1, 8 or 15 columns; a width of one panel and an odd number of panels
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 37, 50), (4, 576, 960), (5, 576, 3072), (8, 96, 33),
                                       (9, 64, 47), (13, 1536, 576), (20, 24, 17), (1, 5, 1), (7, 16, 16),
                                       (64, 40, 80)])
 def test_skinny_equals_f_linear(rows: int, k: int, n: int) -> None:
-    gemm = kernel()
+    gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(rows * 31 + n)
     x, w, b = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
     panels = skinny_gemm.pack(w)
@@ -45,7 +38,7 @@ def test_skinny_equals_f_linear(rows: int, k: int, n: int) -> None:
 def test_rows_do_not_depend_on_their_batch() -> None:
     """Each output element is one ordered sum, whatever tile a row lands in: a row gives the same bits
     alone, in a batch of 2-4 (four-panel tiles), 5-8 (two-panel) or beyond 8 (row chunks)."""
-    gemm = kernel()
+    gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, 200, generator=gen), torch.randn(100, 200, generator=gen)
     panels = skinny_gemm.pack(w)
@@ -55,7 +48,7 @@ def test_rows_do_not_depend_on_their_batch() -> None:
 
 
 def test_strided_rows_and_bad_shapes() -> None:
-    gemm = kernel()
+    gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(4)
     wide, w = torch.randn(6, 100, generator=gen), torch.randn(30, 64, generator=gen)
     x = wide[:, 10:74]  # rows 100 floats apart
@@ -67,7 +60,7 @@ def test_strided_rows_and_bad_shapes() -> None:
 def test_large_inputs_split_between_onednn_and_skinny() -> None:
     """200 rows run as oneDNN's block of 128 and the skinny kernel's 64 and 8 (the same arithmetic as
     each part alone); oneDNN never sees a count up to 64."""
-    gemm = kernel()
+    gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(5)
     x, w, b = torch.randn(200, 96, generator=gen), torch.randn(80, 96, generator=gen), torch.randn(80, generator=gen)
     packed = packed_linear.pack(w, gemm)
