@@ -62,12 +62,17 @@ def model_rows(steps, names: list[str], window: tuple[float, float]) -> list[str
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def closed_loop_args(ap: argparse.ArgumentParser) -> None:
+    """The closed loop's options (the pair's config, requests in flight, requests, tokens each)."""
     ap.add_argument("--config", required=True, help="the routed pair's YAML (small first, large second)")
     ap.add_argument("--n", type=int, default=8, help="requests in flight")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    closed_loop_args(ap)
     ap.add_argument("--b", default="1", help="the large model's launch thresholds to run the pair at")
     args = ap.parse_args()
     torch.set_num_threads(1)

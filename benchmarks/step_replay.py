@@ -50,6 +50,7 @@ from tokenrouter.runtime.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 
 sys.path.insert(0, os.path.dirname(__file__))
+from pair_legs import closed_loop_args  # noqa: E402
 from runtime_stages import real_group  # noqa: E402
 from step_interference import beside  # noqa: E402
 
@@ -124,10 +125,7 @@ def busy(steps: list[Step], model: int, window: tuple[float, float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="the routed pair's YAML (small first, large second)")
-    ap.add_argument("--n", type=int, default=8, help="requests in flight")
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--max-tokens", type=int, default=32)
+    closed_loop_args(ap)
     ap.add_argument("--rounds", type=int, default=3, help="replays of the traced steps, each way")
     args = ap.parse_args()
     torch.set_num_threads(1)

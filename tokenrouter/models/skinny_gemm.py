@@ -26,12 +26,12 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-std=gnu11")
 PANEL = 16
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [n, k] as panels [ceil(n / 16), k, 16]: panel p holds output columns 16p..16p+15, each
-    input feature's 16 weights side by side (the last panel zero-padded)."""
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """weight [n, k] (converted to `dtype`) as panels [ceil(n / 16), k, 16]: panel p holds output
+    columns 16p..16p+15, each input feature's 16 weights side by side (the last panel zero-padded)."""
     n, k = weight.shape
     panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=torch.float32)
+    padded = torch.zeros(panels * PANEL, k, dtype=dtype)
     padded[:n] = weight.detach()
     return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
 
@@ -39,12 +39,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """weight [n, k] rounded to bfloat16 (to nearest even) as pair panels [ceil(n / 16), ceil(k / 2),
     16, 2]: panel p, pair i holds output columns 16p..16p+15, each with its weights for inputs 2i and
-    2i + 1 side by side (zero-padded)."""
+    2i + 1 side by side (zero-padded); `pack` of the pairs taken as one 32-bit feature each."""
     n, k = weight.shape
-    panels, pairs = -(-n // PANEL), -(-k // 2)
-    padded = torch.zeros(panels * PANEL, pairs * 2, dtype=torch.bfloat16)
-    padded[:n, :k] = weight.detach()
-    return padded.view(panels, PANEL, pairs, 2).transpose(1, 2).contiguous()
+    even = torch.zeros(n, k + k % 2, dtype=torch.bfloat16)
+    even[:, :k] = weight.detach()
+    return pack(even.view(torch.int32), torch.int32).view(torch.bfloat16).view(-(-n // PANEL), -(-k // 2), PANEL, 2)
 
 
 class SkinnyGemm:
