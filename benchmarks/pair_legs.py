@@ -53,9 +53,9 @@ def model_rows(steps, names: list[str], window: tuple[float, float]) -> list[str
         if not mine:
             continue
         ms = np.array([1000 * (s.end - s.start) for s in mine])
-        rows = np.array([sum(s.extend_lens) for s in mine], dtype=float)
-        reqs = np.array([len(s.rids) for s in mine], dtype=float)
-        coef = 1000 * step_fit(mine, lambda s: [1.0, sum(s.extend_lens), len(s.rids)])
+        rows = np.array([s.rows for s in mine], dtype=float)
+        reqs = np.array([len(s.rids) + s.ahead for s in mine], dtype=float)
+        coef = 1000 * step_fit(mine, lambda s: [1.0, s.rows, len(s.rids) + s.ahead])
         out.append(f"{name}: busy {ms.sum() / 1000 / (t1 - t0):.2f}, {len(mine)} steps, {int(rows.sum())} rows "
                    f"({rows.mean():.1f} a step, {reqs.mean():.2f} requests), {ms.mean():.1f} ms a step "
                    f"= {coef[0]:.1f} + {coef[1]:.2f} x rows + {coef[2]:.2f} x requests")

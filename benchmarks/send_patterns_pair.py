@@ -88,7 +88,7 @@ def prompts(large: str, n_arith: int, n_champ: int) -> list[list[int]]:
 
 def step_fit(steps: list[Step], features: Callable[[Step], list[float]] | None = None) -> np.ndarray:
     """Least squares of step seconds on `features` (default: [1, batch, tokens beyond one per request])."""
-    features = features or (lambda s: [1.0, len(s.rids), sum(s.extend_lens) - len(s.rids)])
+    features = features or (lambda s: [1.0, len(s.rids) + s.ahead, s.rows - len(s.rids) - s.ahead])
     x = np.array([features(s) for s in steps])
     y = np.array([s.end - s.start for s in steps])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
@@ -118,7 +118,7 @@ def latencies_from_trace(steps: list[Step]) -> dict:
     cl = step_fit(l_steps)
     # L's steps again on [1, rows] alone: its batch and the tokens its requests bring move together
     # (each brings about the mean catch-up), so the three-term fit splits their cost arbitrarily
-    cl_rows = step_fit(l_steps, lambda s: [1.0, sum(s.extend_lens)])
+    cl_rows = step_fit(l_steps, lambda s: [1.0, s.rows])
     stretch = sum((s.end - s.start) - (cs[0] + cs[1] * len(s.rids) + cs[2] * (sum(s.extend_lens) - len(s.rids)))
                   for s, o in zip(s_steps, ov) if o > 0)
     alpha = float(np.clip(stretch / ov.sum(), 0.0, 1.0)) if ov.sum() > 0 else 0.0
@@ -152,7 +152,7 @@ def steady_steps(steps: list[Step], window: tuple[float, float], l_coef: list[fl
     ls = [s for s in inside if s.model == 1]
     if ls:
         b = np.array([len(s.rids) for s in ls], dtype=float)
-        extra = np.array([sum(s.extend_lens) for s in ls]) - b
+        extra = np.array([s.rows for s in ls]) - b
         took = np.array([s.end - s.start for s in ls])
         fitted = l_coef[0] + l_coef[1] * b + l_coef[2] * extra
         out.update(l_step_weighted=float(b @ took / b.sum()), l_fit_weighted=float(b @ fitted / b.sum()),

@@ -127,7 +127,7 @@ def test_second_visit_computes_only_the_unseen_suffix(rig_factory):
     rig.step("large")
     assert lr.prefix_hit_tokens == 0 and lr.extended_tokens == n
     assert large.stats.extended_tokens - before == n
-    assert lr.status is ReqStatus.PENDING and lr.kv_len == n and len(lr.tokens) == n + 1
+    assert lr.at_peer and lr.kv_len == n and len(lr.tokens) == n + 1
     rig.wait_entry(lambda: rig.tokens("A"), "the large model's token")
     assert rig.tokens("A") == [("large", n, lr.tokens[n])]
 
@@ -251,7 +251,7 @@ def test_abort_while_pending_at_the_peer(rig_factory, where):
     held = None
     if where == "large_pending":
         rig.step("large")
-        assert rig.req("large", "A").status is ReqStatus.PENDING and rig.req("large", "A").pages
+        assert rig.req("large", "A").at_peer and rig.req("large", "A").pages
         held = rig.take_inbox("small")  # the hand-back, kept in flight until after the abort
         assert only(peer_msgs(held)).req.loc == len(prompt)
     assert rig.req("small", "A").status is ReqStatus.PENDING and rig.req("small", "A").pages
@@ -373,7 +373,7 @@ def test_finished_by_small_frees_the_large_copy(rig_factory):
     rig.drain_until("large", lambda: rig.req("large", "A") is not None, "A's first visit")
     rig.step("large")
     lr = rig.req("large", "A")
-    assert lr.status is ReqStatus.PENDING
+    assert lr.at_peer  # PENDING, or RUNNING its look-ahead row (test_look_ahead.py)
     rig.drain_until("small", lambda: rig.req("small", "A").status is ReqStatus.RUNNING, "hand-back")
     for _ in range(3):
         rig.step("small")

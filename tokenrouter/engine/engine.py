@@ -58,6 +58,8 @@ class EngineStats:
     extended_tokens: int = 0  # tokens run through the model
     sampled_tokens: int = 0
     finished: int = 0
+    look_aheads: int = 0  # rows run ahead for a request at a peer (Engine.hand_off)
+    look_ahead_hits: int = 0  # of those, the ones taken when the request came back
 
 
 class StepFailed(RuntimeError):
@@ -117,6 +119,7 @@ class Engine:
                 self.tp.kill()
             raise
         self.reqs: dict[str, Req] = {}
+        self.ahead: dict[str, StepOutput] = {}  # rid -> the row a look-ahead set aside (hand_off)
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(cfg.seed)
@@ -256,22 +259,43 @@ class Engine:
         self.scheduler.add(req)
         return req
 
-    def receive(self, rid: str, loc: int, suffix: list[int]) -> Req:
+    def hand_off(self, req: Req, look_ahead: bool = False) -> None:
+        """req goes to a peer: PENDING here. With `look_ahead`, when this model wrote req's last token
+        (so has not computed it), that token first runs as one row of the next step that launches for
+        other work, and the row's sample is set aside: `receive` returns it when the request comes
+        back with its tokens unchanged, so the model answers without a step. The row is one its next
+        visit would compute anyway; sampling is keyed by (seed, position), so the set-aside token is
+        the one that visit would draw."""
+        if look_ahead and req.extend_len == 1 and req.status is ReqStatus.RUNNING:
+            req.look_ahead = True
+        else:
+            self.scheduler.set_pending(req)
+
+    def receive(self, rid: str, loc: int, suffix: list[int]) -> StepOutput | None:
         """A peer hands request rid back: cut our copy to `loc`, append the suffix, run again.
-        Only the unseen suffix is computed; KV past `loc` is rolled back."""
+        Only the unseen suffix is computed; KV past `loc` is rolled back. Returns the row of the
+        request's next token when a look-ahead already sampled it from these very tokens: the caller
+        commits it as a step's row, and the request runs nothing."""
         req = self.reqs[rid]
+        ahead = self.ahead.pop(rid, None)
+        unchanged = loc == len(req.tokens) and not suffix
+        if req.look_ahead:  # came back before its look-ahead row ran: it runs as a normal row
+            req.look_ahead = False
         self.scheduler.truncate(req, loc)
         if req.grammar is not None:
             req.grammar.truncate(max(0, loc - req.prompt_len))
         req.tokens.extend(suffix)
+        if req.status is ReqStatus.PENDING:
+            self.scheduler.resume(req)
+        if ahead is not None and unchanged and req.extend_len == 0:
+            self.stats.look_ahead_hits += 1
+            return ahead
         if req.extend_len == 0:
             # Nothing new to feed: recompute the last token, whose logits the next sample needs.
             last = req.tokens[-1]
             self.scheduler.truncate(req, len(req.tokens) - 1)
             req.tokens.append(last)
-        if req.status is ReqStatus.PENDING:
-            self.scheduler.resume(req)
-        return req
+        return None
 
     def abort(self, rid: str) -> Req | None:
         req = self.reqs.get(rid)
@@ -309,13 +333,31 @@ class Engine:
                 raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e
         if self.trace.enabled:
             assert self.trace_index is not None
-            self.trace.write(self.trace_index, start, time.perf_counter(), [r.rid for r in batch.reqs],
-                             list(batch.extend_lens))
+            ahead = sum(r.look_ahead for r in batch.reqs)
+            decided = [(r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens) if not r.look_ahead]
+            self.trace.write(self.trace_index, start, time.perf_counter(), [rid for rid, _ in decided],
+                             [n for _, n in decided], ahead)
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
+        if any(r.look_ahead for r in out.reqs):
+            out = self._set_aside(out)
         self.stats.sampled_tokens += len(out.token_ids)
         return out
+
+    def _set_aside(self, out: StepOutput) -> StepOutput:
+        """Keep the look-ahead rows' samples for `receive` (their requests turn PENDING); the rest of
+        the step, for the caller to commit."""
+        keep = []
+        for i, req in enumerate(out.reqs):
+            if req.look_ahead:
+                req.look_ahead = False
+                self.scheduler.set_pending(req)
+                self.ahead[req.rid] = out.rows([i])
+                self.stats.look_aheads += 1
+            else:
+                keep.append(i)
+        return out.rows(keep)
 
     def _run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None) -> StepOutput:
         if overlap is None:
@@ -401,6 +443,8 @@ class Engine:
         det = self._detok.pop(req.rid, None)
         if det is not None:
             req.text = det.text
+        self.ahead.pop(req.rid, None)
+        req.look_ahead = False
         self.scheduler.finish(req)
         self.reqs.pop(req.rid, None)
         self.stats.finished += 1

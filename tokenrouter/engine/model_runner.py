@@ -36,6 +36,17 @@ class StepOutput(NamedTuple):
     top_logits: tuple[torch.Tensor, torch.Tensor] | None
     entropy: torch.Tensor | None
 
+    def rows(self, idx: list[int]) -> StepOutput:
+        """The rows `idx` of this step, in that order, as a step of those requests."""
+        def pick(t):  # type: ignore[no-untyped-def]
+            if t is None:
+                return None
+            return [t[i] for i in idx] if isinstance(t, list) else t[idx]
+
+        top = None if self.top_logits is None else (pick(self.top_logits[0]), pick(self.top_logits[1]))
+        return StepOutput([self.reqs[i] for i in idx], [self.token_ids[i] for i in idx], pick(self.logprobs),
+                          pick(self.top_logprobs), pick(self.hidden), pick(self.logits), top, pick(self.entropy))
+
 
 class ModelRunner:
     """Owns the model and its attention backend; knows nothing of scheduling.

@@ -31,6 +31,9 @@ class Req:
     - `pages[:cached_len // page_size]` belong to the prefix cache and are locked through
       `cache_node`; the rest are private to this request. `cached_len` is page aligned.
     - A WAITING request holds no pages and no lock.
+    - `look_ahead`: RUNNING though handed to a peer, for one row: its last token, which this model
+      wrote and has not computed. The engine sets the row's sample aside and turns it PENDING
+      (Engine.hand_off); the scheduler never preempts it for it nor launches a step for it alone.
     """
 
     rid: str
@@ -54,6 +57,7 @@ class Req:
     extended_tokens: int = 0  # tokens this request ran through the model (recompute included)
     prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
     num_preemptions: int = 0
+    look_ahead: bool = False
     grammar: GrammarState | None = None  # this model's matcher of the structured output, if any
     # Prompt logprobs (params.prompt_logprobs): one entry per prompt token from the second on, filled
     # by the prefill; complete when it holds prompt_len - 1 entries.
@@ -76,6 +80,11 @@ class Req:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def at_peer(self) -> bool:
+        """Handed to a peer: PENDING, or RUNNING for its look-ahead row."""
+        return self.status is ReqStatus.PENDING or self.look_ahead
 
     @property
     def finished(self) -> bool:

@@ -77,7 +77,8 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r.status is ReqStatus.RUNNING for r in self.running)
+        """Something a step launches for (a look-ahead row only rides along)."""
+        return bool(self.waiting) or any(r.status is ReqStatus.RUNNING and not r.look_ahead for r in self.running)
 
     def find(self, rid: str) -> Req | None:
         return next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)
@@ -132,6 +133,11 @@ class Scheduler:
             raise ValueError(f"only a RUNNING request can go PENDING, {req.rid} is {req.status.value}")
         req.status = ReqStatus.PENDING
 
+    def drop_look_ahead(self, req: Req) -> None:
+        """req's look-ahead row will not run: PENDING now, as any request at a peer."""
+        req.look_ahead = False
+        req.status = ReqStatus.PENDING
+
     def resume(self, req: Req) -> None:
         if req.status is not ReqStatus.PENDING:
             raise ValueError(f"only a PENDING request can resume, {req.rid} is {req.status.value}")
@@ -165,16 +171,23 @@ class Scheduler:
         """Pick this step's batch, allocating the pages it writes; None when nothing launches."""
         running = ReqStatus.RUNNING
         runs = [r for r in self.running if r.status is running]
-        if not self.launch.should_launch(len(runs) + len(self.waiting), self.num_active):
+        # A look-ahead row rides on a step that launches for other work: it never launches one.
+        ahead = [r for r in runs if r.look_ahead] if any(r.look_ahead for r in runs) else []
+        if not self.launch.should_launch(len(runs) - len(ahead) + len(self.waiting), self.num_active):
             return None
         budget = self.cfg.chunked_prefill_size
         p = self.cfg.page_size
         reqs: list[Req] = []
         lens: list[int] = []
-        # Running requests first, decodes before unfinished prefills, oldest first. A request whose
-        # pages already cover its extend (most decodes) skips _grow: this loop runs every step.
+        # Running requests first, decodes before unfinished prefills, oldest first, look-aheads last.
+        # A request whose pages already cover its extend (most decodes) skips _grow: this loop runs
+        # every step.
+        if ahead:
+            runs = [r for r in runs if not r.look_ahead]
         prefills = [r for r in runs if len(r.tokens) - r.kv_len > 1]
         order = [r for r in runs if len(r.tokens) - r.kv_len <= 1] + prefills if prefills else runs
+        if ahead:
+            order = order + ahead
         for req in order:
             if req.status is not running or budget == 0:
                 continue  # preempted by an earlier request of this loop, or out of budget
@@ -207,7 +220,11 @@ class Scheduler:
             if pages is not None:
                 req.pages.extend(pages)
                 return True
-            victims = [r for r in self.running if r.status is ReqStatus.RUNNING and r not in protect]
+            if req.look_ahead:  # a look-ahead row never costs another request its pages
+                self.drop_look_ahead(req)
+                return False
+            victims = [r for r in self.running
+                       if r.status is ReqStatus.RUNNING and not r.look_ahead and r not in protect]
             victim = victims[-1]  # req itself is a candidate, so this is never empty
             self._preempt(victim)
             if victim is req:

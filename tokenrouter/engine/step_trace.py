@@ -3,9 +3,10 @@
 With TOKENROUTER_STEP_TRACE=DIR in the environment, every `LatencyModelRunner` step, and every step of
 a real model whose engine knows its index in the group (`Engine(trace_index=...)`, as a subserver's
 does), appends one JSON line to DIR/<pid>.jsonl: [model index, start, end, request ids, extend
-lengths], times from `time.perf_counter` (CLOCK_MONOTONIC on Linux, so comparable across the group's
-processes). An environment variable, because the subservers are spawned by the entry and inherit it,
-so tracing needs no change to the group config or the wire protocol.
+lengths] and, when the step ran look-ahead rows, their count; times from `time.perf_counter`
+(CLOCK_MONOTONIC on Linux, so comparable across the group's processes). An environment variable,
+because the subservers are spawned by the entry and inherit it, so tracing needs no change to the
+group config or the wire protocol.
 
 The runtime around the executor adds stage records to the same files (JSON objects, not lists):
 {"model": index, "start": t, "stages": {stage: seconds}}, one per step, written by the subserver
@@ -49,9 +50,10 @@ class StepTraceWriter:
     def enabled(self) -> bool:
         return self.directory is not None
 
-    def write(self, model: int, start: float, end: float, rids: list[str], extend_lens: list[int]) -> None:
+    def write(self, model: int, start: float, end: float, rids: list[str], extend_lens: list[int],
+              ahead: int = 0) -> None:
         if self.directory is not None:
-            self._line(json.dumps([model, start, end, rids, extend_lens]))
+            self._line(json.dumps([model, start, end, rids, extend_lens] + ([ahead] if ahead else [])))
 
     def write_stages(self, model: int, start: float, stages: dict[str, float]) -> None:
         """Seconds per stage of the runtime around one step (or one entry poll), when tracing."""
@@ -73,6 +75,14 @@ class Step:
     end: float
     rids: list[str]
     extend_lens: list[int]
+    # Look-ahead rows the step also ran, one token each, for requests at a peer (engine.py
+    # Engine.hand_off): computed, but not those requests' decisions, so not in rids.
+    ahead: int = 0
+
+    @property
+    def rows(self) -> int:
+        """The tokens the step ran through the model."""
+        return sum(self.extend_lens) + self.ahead
 
 
 @dataclass
@@ -237,5 +247,5 @@ def latency_ratio(steps: list[Step], model: int, latency: Callable[[int, int], f
         if peer is not None and len(peer) and ((peer[:, 0] < s.end) & (peer[:, 1] > s.start)).any():
             continue
         took += s.end - s.start
-        modelled += latency(len(s.rids), sum(s.extend_lens))
+        modelled += latency(len(s.rids) + s.ahead, s.rows)
     return took / modelled if modelled > 0 else float("nan")

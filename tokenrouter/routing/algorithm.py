@@ -141,6 +141,14 @@ class RoutingAlgorithm(ABC):
     def outputs(self, model: str) -> StepOutputSpec:
         return StepOutputSpec()
 
+    def looks_ahead(self, model: str) -> bool:
+        """Whether `model`, after writing a token and handing the request away, runs that token in
+        its next step and keeps the next sample aside, to answer at once if the request comes straight
+        back with nothing new (the group's `launch.look_ahead` may turn it off). Worth it where a
+        request often returns at the very next position; the row is one the next visit computes
+        anyway, so it costs a row only after a request's last visit."""
+        return False
+
     def bind(self, model: str, engine: Engine) -> None:  # noqa: B027 - an optional hook
         """Called once in the subserver of `model` after its engine is built: load routers, check
         they were trained for this model, take what route needs from the model (e.g. embeddings)."""

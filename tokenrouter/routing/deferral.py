@@ -45,6 +45,11 @@ class DeferToLarge(RoutingAlgorithm):
         """defer from scores' numbers: implemented by the algorithms that have a score."""
         raise NotImplementedError
 
+    def looks_ahead(self, model: str) -> bool:
+        # The router often defers the position right after the large model's token (hard positions
+        # come in clusters: docs/BENCHMARKS.md, the trained routers' run lengths).
+        return model == self.large
+
     def route(self, model: str, step: StepOutput) -> list[Route]:
         if model == self.large:
             return [Route(self.small, keep=True)] * len(step.reqs)

@@ -29,23 +29,13 @@ def checked_route(algorithm: RoutingAlgorithm, model: str, step: StepOutput,
     return routes, scores
 
 
-def step_row(step: StepOutput, i: int) -> StepOutput:
-    """Row i of a step, as a step of one request."""
-    def rows(t):  # type: ignore[no-untyped-def]
-        return None if t is None else t[i:i + 1]
-
-    top = None if step.top_logits is None else (step.top_logits[0][i:i + 1], step.top_logits[1][i:i + 1])
-    return StepOutput([step.reqs[i]], [step.token_ids[i]], rows(step.logprobs), rows(step.top_logprobs),
-                      rows(step.hidden), rows(step.logits), top, rows(step.entropy))
-
-
 def route_each(algorithm: RoutingAlgorithm, model: str, step: StepOutput) -> list[Route | None]:
     """Route each request of `step` alone (after `route` raised on the whole batch): its Route, or None
     for a request that raises alone. When none raises alone the batch as a whole failed: all None."""
     routes: list[Route | None] = []
     for i, req in enumerate(step.reqs):
         try:
-            (route,), _ = checked_route(algorithm, model, step_row(step, i))
+            (route,), _ = checked_route(algorithm, model, step.rows([i]))
         except Exception:  # noqa: BLE001 - this request is one the algorithm fails on
             logger.exception("%s: %s.route failed on request %s alone", model, algorithm.name, req.rid)
             route = None

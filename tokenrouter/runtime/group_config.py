@@ -77,8 +77,13 @@ class LaunchConfig:
     p: float = 0.1  # planner: the routing probability planned for until one is measured
     n_max: int | None = None  # planner: plan B(n) up to this n (default: min(64, small's max_running_requests))
     profile: LatencyProfile | None = None  # planner: step latencies (default: the latency executor's, else measured)
+    # A model that hands a request back with its own token runs that token in its next step, for the
+    # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off).
+    look_ahead: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.look_ahead, bool):
+            raise ValueError(f"launch.look_ahead must be true or false, got {self.look_ahead!r}")
         if self.policy not in LAUNCH_POLICIES:
             raise ValueError(f"launch.policy must be one of {', '.join(LAUNCH_POLICIES)}, got {self.policy!r}")
         if self.thresholds and self.policy != "threshold":
@@ -103,10 +108,10 @@ class LaunchConfig:
             policy=d.get("policy", "eager"), thresholds=thresholds,
             alpha=_number("launch.alpha", d.get("alpha", 0.0)), p=_number("launch.p", d.get("p", 0.1)),
             n_max=None if d.get("n_max") is None else _number("launch.n_max", d["n_max"], int),
-            profile=_profile("launch.profile", d.get("profile")))
+            profile=_profile("launch.profile", d.get("profile")), look_ahead=d.get("look_ahead", True))
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"policy": self.policy, "alpha": self.alpha, "p": self.p}
+        d: dict[str, Any] = {"policy": self.policy, "alpha": self.alpha, "p": self.p, "look_ahead": self.look_ahead}
         if self.thresholds:
             d["thresholds"] = {m: t.as_dict() for m, t in self.thresholds.items()}
         if self.n_max is not None:

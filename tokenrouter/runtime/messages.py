@@ -209,6 +209,8 @@ class Stats(msgspec.Struct, tag="stats"):
     step_seconds_sum: float
     step_buckets: list[int]  # steps per STEP_LATENCY_BUCKETS bound, then the +Inf overflow (not cumulative)
     aborted_requests: int = 0  # live requests this model dropped on an Abort
+    look_aheads: int = 0  # rows run ahead for requests at a peer (engine.py Engine.hand_off)
+    look_ahead_hits: int = 0  # of those, the ones answered from when the request came back
     request_errors: dict[str, int] = msgspec.field(default_factory=dict)  # requests failed alone, by stage
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.req import Req
 
 ABORT_MEMORY_S = 300.0  # how long an aborted rid is remembered, to drop hand-offs still in flight
 
@@ -64,12 +64,13 @@ class RequestStates:
 
     def check_integrity(self, reqs: Mapping[str, Req]) -> None:
         """Every live request of the engine has exactly one state and no state outlives its request;
-        a request is PENDING exactly while its state says since when; the counts match the flags."""
+        a request is at a peer (PENDING, or running its look-ahead row) exactly while its state says
+        since when; the counts match the flags."""
         assert self.live.keys() == reqs.keys(), (f"states {sorted(self.live)} but live requests "
                                                  f"{sorted(reqs)}")
         for rid, state in self.live.items():
-            pending = reqs[rid].status == ReqStatus.PENDING
-            assert pending == (state.pending_since is not None), f"{rid}: PENDING {pending}, {state}"
+            pending = reqs[rid].at_peer
+            assert pending == (state.pending_since is not None), f"{rid}: at a peer {pending}, {state}"
         assert self.alone == sum(s.alone for s in self.live.values()), "alone count drifted"
         assert self.prompt_logprobs_due == sum(s.prompt_logprobs_due for s in self.live.values()), \
             "prompt_logprobs_due count drifted"

@@ -85,6 +85,9 @@ class Subserver:
         self.engine = Engine(spec.engine, launch=self.launch, outputs=self.algorithm.outputs(spec.name),
                              latency_runner=runner, trace_index=group.names.index(spec.name))
         self.algorithm.bind(spec.name, self.engine)
+        # Run ahead for requests this model hands back with its own token (routing/algorithm.py looks_ahead).
+        self.look_ahead = group.launch.look_ahead and self.algorithm.looks_ahead(spec.name)
+        self.answered: list[StepOutput] = []  # rows a look-ahead sampled, for requests that came back
         self.io = SubserverSockets(self.name, group.curve_keys(), bind_address, entry_address, advertise_host,
                                    watch_entry)
         self.states = RequestStates()  # each live request's hand-off state; the aborted rids
@@ -164,6 +167,11 @@ class Subserver:
                 logger.exception("%s: handling %s of request %s failed", self.name, type(msg).__name__, rid)
                 if rid is not None:
                     self._fail(rid)
+        if self.answered:
+            rows, self.answered = self.answered, []
+            for row in rows:
+                if row.reqs[0].rid in self.engine.reqs:  # not aborted by a later message of this drain
+                    self._commit(row)
         if self.trace.enabled:
             self.drain_seconds += time.perf_counter() - t0
 
@@ -287,7 +295,9 @@ class Subserver:
                 return  # on_start failed on it
             state = self.states.live[rid]
         else:
-            eng.receive(rid, peer.loc, peer.suffix)
+            answered = eng.receive(rid, peer.loc, peer.suffix)
+            if answered is not None:
+                self.answered.append(answered)
             state = self.states.live[rid]
             self.pending_seconds += state.end_pending(time.monotonic())
         state.known[sender] = peer.loc + len(peer.suffix)
@@ -308,14 +318,22 @@ class Subserver:
             return True
         if out is None:
             return False
-        t1 = time.perf_counter()
-        took = t1 - t0
+        took = time.perf_counter() - t0
         self.step_seconds_sum += took
         self.step_buckets[bisect.bisect_left(STEP_LATENCY_BUCKETS, took)] += 1
         if not out.reqs:
             if tracing:
                 self._trace_stages(t0, {"forward": took})
             return True
+        self._commit(out, (t0, took) if tracing else None)
+        return True
+
+    def _commit(self, out: StepOutput, timed: tuple[float, float] | None = None) -> None:
+        """Route a step's sampled rows (or a row a look-ahead sampled), then commit their tokens and
+        send their hand-offs. `timed`: the step's start and forward seconds, to trace its stages."""
+        eng = self.engine
+        tracing = timed is not None
+        t1 = time.perf_counter()
         routes: list[Route | None]
         try:
             routes, scores = checked_route(self.algorithm, self.name, out,
@@ -392,10 +410,10 @@ class Subserver:
             batches.setdefault(dest, []).append(item)
         for dest, items in batches.items():
             self.io.send(self.io.to_peer[dest], Peer(self.name, items))
-        if tracing:
+        if timed is not None:
+            t0, took = timed
             self._trace_stages(t0, {"forward": took, "route": t2 - t1, "commit": t3 - t2, "tokens_msg": t4 - t3,
                                     "finish": t5 - t4, "handoff": time.perf_counter() - t5})
-        return True
 
     def _trace_stages(self, start: float, stages: dict[str, float]) -> None:
         stages["drain"], self.drain_seconds = self.drain_seconds, 0.0
@@ -440,7 +458,7 @@ class Subserver:
             first = FirstVisit(req.prompt_len, dataclasses.replace(req.params, prompt_logprobs=None), req.seed,
                                self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
-        self.engine.scheduler.set_pending(req)
+        self.engine.hand_off(req, self.look_ahead)
         state.pending_since = now
         self.pending_periods += 1
         self.handoffs_sent += 1
@@ -458,6 +476,7 @@ class Subserver:
             live_requests=len(eng.reqs), waiting_requests=len(eng.scheduler.waiting),
             step_seconds_sum=self.step_seconds_sum, step_buckets=list(self.step_buckets),
             aborted_requests=self.aborted_requests, request_errors=dict(self.request_errors),
+            look_aheads=eng.stats.look_aheads, look_ahead_hits=eng.stats.look_ahead_hits,
         )
 
     def close(self) -> None:

@@ -62,6 +62,10 @@ class _EngineCollector(Collector):
                                      lambda s: s.tokens_written),
             "model_aborted_requests": ("Live requests a model dropped on an abort (client gone, time limit, "
                                        "a peer failed)", lambda s: s.aborted_requests),
+            "model_look_ahead_rows": ("Rows a model ran ahead for requests it handed to a peer",
+                                      lambda s: s.look_aheads),
+            "model_look_ahead_hits": ("Requests that came back to a model whose next token a look-ahead "
+                                      "had already sampled (answered without a step)", lambda s: s.look_ahead_hits),
         }
         for name, (doc, get) in counters.items():
             counter = CounterMetricFamily(f"tokenrouter_{name}", doc, labels=["model"])

@@ -1,0 +1,217 @@
+"""Look-ahead: a model that hands a request back with its own token runs that token in its next step and
+sets the next sample aside, so the request's immediate return is answered without a step
+(engine.py Engine.hand_off / receive, scheduler.py, runtime/subserver.py).
+
+The promises: the row rides on a step launched for other work and never launches one; a return with
+the tokens unchanged gets exactly the token the ordinary path would sample; any other return
+discards the sample and keeps the row's KV; a look-ahead row never costs another request its pages;
+an abort frees everything; a routed group writes the same tokens, by the same models, with it as
+without it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from engine_utils import make_engine, prompts_of
+from routing_utils import Rig, build_pair
+
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.step_trace import ENV, read_trace, visit_runs
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return build_pair(tmp_path_factory.mktemp("look-ahead-models"))
+
+
+def _commit(engine: Engine, out) -> None:  # type: ignore[no-untyped-def]
+    now = time.monotonic()
+    for i, (req, tok) in enumerate(zip(out.reqs, out.token_ids)):
+        engine.append_token(req, tok, now, out, i)
+
+
+def _two(engine: Engine) -> tuple[Req, Req]:
+    """Requests a and b after two steps: a's last token sampled (as a model writes before handing off)."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a, b = (engine.add_request(p, params) for p in prompts_of([9, 6], seed=31))
+    for _ in range(2):
+        _commit(engine, engine.forward_step())
+    assert a.extend_len == 1 and b.extend_len == 1
+    return a, b
+
+
+def _reference_next(path, a_tokens: list[int], a_prompt_len: int) -> tuple[int, torch.Tensor]:
+    """The token and logits the ordinary path samples for a request with these tokens."""
+    eng = make_engine(path)
+    req = eng.add_request(a_tokens[:a_prompt_len], SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    eng.receive(req.rid, a_prompt_len, a_tokens[a_prompt_len:])
+    out = eng.forward_step()
+    assert out is not None and out.reqs == [req] and out.logits is not None
+    return out.token_ids[0], out.logits[0]
+
+
+def test_the_row_rides_along_and_answers_an_unchanged_return(pair):
+    eng = make_engine(pair["large"])
+    a, b = _two(eng)
+    eng.hand_off(a, look_ahead=True)
+    assert a.look_ahead and a.at_peer and a.status is ReqStatus.RUNNING
+    eng.hand_off(b)
+    assert b.status is ReqStatus.PENDING and not b.look_ahead
+    assert not eng.scheduler.has_work() and eng.forward_step() is None, "a look-ahead row launched a step alone"
+    assert a.kv_len == len(a.tokens) - 1
+
+    assert eng.receive(b.rid, len(b.tokens), []) is None  # b back: it runs, and a's row rides along
+    out = eng.forward_step()
+    assert out is not None and out.reqs == [b], "the look-ahead row was not set aside"
+    assert a.status is ReqStatus.PENDING and not a.look_ahead and a.kv_len == len(a.tokens)
+    assert eng.stats.look_aheads == 1 and eng.stats.sampled_tokens == 5  # 2 x 2, then b
+    _commit(eng, out)
+
+    n = len(a.tokens)
+    row = eng.receive(a.rid, n, [])
+    assert row is not None and row.reqs == [a] and eng.stats.look_ahead_hits == 1
+    assert a.status is ReqStatus.RUNNING and len(a.tokens) == n and a.kv_len == n  # nothing to run
+    token, logits = _reference_next(pair["large"], a.tokens, a.prompt_len)
+    assert row.token_ids == [token]
+    assert row.logits is not None and torch.allclose(row.logits[0], logits, atol=1e-5)
+    _commit(eng, row)
+    assert a.tokens[-1] == token and a.extend_len == 1
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("change", ["suffix", "rewrite"])
+def test_a_changed_return_discards_the_sample(pair, change):
+    eng = make_engine(pair["large"])
+    a, b = _two(eng)
+    eng.hand_off(a, look_ahead=True)
+    _commit(eng, eng.forward_step())  # b decodes; a's row runs and is set aside
+    n = len(a.tokens)
+    assert a.status is ReqStatus.PENDING and a.kv_len == n and a.rid in eng.ahead
+    if change == "suffix":  # the peer wrote two more tokens: the look-ahead's KV stays, they run
+        assert eng.receive(a.rid, n, [5, 6]) is None
+        assert a.kv_len == n and a.extend_len == 2
+    else:  # the peer rewrote the model's own last token: cut back, it runs again
+        assert eng.receive(a.rid, n - 1, [7]) is None
+        assert a.kv_len == n - 1 and a.tokens[-1] == 7 and a.extend_len == 1
+    assert a.rid not in eng.ahead and eng.stats.look_ahead_hits == 0
+    out = eng.forward_step()
+    assert out is not None and a in out.reqs
+    token, _ = _reference_next(pair["large"], a.tokens, a.prompt_len)
+    assert out.token_ids[out.reqs.index(a)] == token
+    eng.check_integrity()
+
+
+def test_a_return_before_the_row_ran_runs_it_as_usual(pair):
+    eng = make_engine(pair["large"])
+    a, _ = _two(eng)
+    eng.hand_off(a, look_ahead=True)
+    assert eng.receive(a.rid, len(a.tokens), []) is None
+    assert not a.look_ahead and not a.at_peer and a.status is ReqStatus.RUNNING and a.extend_len == 1
+    out = eng.forward_step()
+    assert out is not None and a in out.reqs and eng.stats.look_aheads == 0
+
+
+def test_no_look_ahead_for_a_request_with_nothing_to_run(pair):
+    """A request handed away without a token of this model's (the small model drops its own) has
+    nothing this model has not computed: it goes PENDING."""
+    eng = make_engine(pair["large"])
+    a, _ = _two(eng)
+    eng.scheduler.truncate(a, len(a.tokens) - 1)  # as a dropped token: every token has KV
+    eng.hand_off(a, look_ahead=True)
+    assert a.status is ReqStatus.PENDING and not a.look_ahead
+
+
+def test_a_look_ahead_row_never_preempts(pair):
+    """With the pool full, a look-ahead row that needs a page gives up (PENDING) instead of preempting
+    (which would send its request back to the queue to recompute everything)."""
+    eng = make_engine(pair["large"], kv_cache_tokens=32, enable_prefix_cache=False)  # 8 pages of 4
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    a = eng.add_request(prompts_of([8], seed=41)[0], params)  # its row at 8 needs a third page
+    b = eng.add_request(prompts_of([16], seed=42)[0], params)
+    _commit(eng, eng.forward_step())
+    assert a.kv_len == 8 and len(a.pages) == 2 and b.kv_len == 16 and len(b.pages) == 4
+    assert eng.pool.num_free == 2
+    eng.hand_off(a, look_ahead=True)
+    b.tokens.extend([3] * 7)  # b's 8 new tokens take the two free pages
+    out = eng.forward_step()
+    assert out is not None and out.reqs == [b] and b.kv_len == 24
+    assert eng.scheduler.num_preemptions == 0
+    assert a.status is ReqStatus.PENDING and not a.look_ahead and a.rid not in eng.ahead and a.kv_len == 8
+    eng.check_integrity()
+    row = eng.receive(a.rid, len(a.tokens), [])  # back: no sample was set aside, its row runs as usual
+    assert row is None and a.status is ReqStatus.RUNNING and a.extend_len == 1
+
+
+def test_the_trace_counts_look_ahead_rows_apart(pair, tmp_path, monkeypatch):
+    """A look-ahead row is not its request's decision: the step-trace line lists it as a count, so the
+    run lengths read off a trace (step_trace.py visit_runs) see the request at its peer."""
+    monkeypatch.setenv(ENV, str(tmp_path))
+    eng = Engine(EngineConfig(model_path=str(pair["large"]), kv_cache_tokens=4096, page_size=4, device="cpu"),
+                 trace_index=1)
+    a, b = _two(eng)
+    eng.hand_off(a, look_ahead=True)
+    _commit(eng, eng.forward_step())
+    *_, last = read_trace(str(tmp_path))
+    assert last.rids == [b.rid] and last.extend_lens == [1] and last.ahead == 1 and last.rows == 2
+    # a's two steps before the hand-off, and no third
+    assert visit_runs(read_trace(str(tmp_path)))[a.rid] == [(1, 2, a.prompt_len - 1)]
+
+
+def test_abort_frees_a_set_aside_row(pair):
+    eng = make_engine(pair["large"])
+    a, b = _two(eng)
+    eng.hand_off(a, look_ahead=True)
+    _commit(eng, eng.forward_step())
+    assert a.rid in eng.ahead
+    eng.abort(a.rid)
+    eng.abort(b.rid)
+    assert not eng.ahead and not eng.reqs
+    eng.check_integrity()
+    assert eng.pool.num_free + eng.cache.total_pages == eng.pool.num_pages and eng.cache.locked_pages == 0
+
+
+def _group_run(rig: Rig, temperature: float) -> dict[str, list[tuple[str, int, int]]]:
+    rids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(rids):
+        rig.add(rid, prompts_of([12 + 3 * i], seed=50 + i)[0], seed=100 + i, max_tokens=24, temperature=temperature)
+    rig.pump(lambda: all(rig.finished(r) for r in rids) and not rig.small.engine.reqs and not rig.large.engine.reqs,
+             "every request finished everywhere")
+    rig.settle()
+    for name in ("small", "large"):
+        rig.assert_clean(name)
+    return {r: sorted(rig.tokens(r), key=lambda t: t[1]) for r in rids}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_routed_group_writes_the_same_tokens_with_it(pair, temperature):
+    """Bernoulli routing at p = 0.5 (the small model hands the position right after the large
+    model's token back half the time): every token, its position and the model that wrote it are the
+    same with and without look-ahead, and some returns were answered from a set-aside row."""
+    with_it, without = Rig(pair, 0.5), Rig(pair, 0.5, launch={"look_ahead": False})
+    try:
+        assert _group_run(with_it, temperature) == _group_run(without, temperature)
+        large = with_it.large
+        assert large.engine.stats.look_ahead_hits > 0
+        assert large.stats().look_ahead_hits == large.engine.stats.look_ahead_hits
+        assert with_it.small.engine.stats.look_aheads == 0  # the deferral algorithms look ahead on the large only
+        assert without.large.engine.stats.look_aheads == 0
+    finally:
+        with_it.close()
+        without.close()
+
+
+def test_the_config_switch_is_checked(pair):
+    base = {"models": [{"name": "small", "path": str(pair["small"])}, {"name": "large", "path": str(pair["large"])}],
+            "algorithm": {"name": "bernoulli", "p": 0.5}}
+    assert GroupConfig.from_dict(base).launch.look_ahead is True
+    off = GroupConfig.from_dict({**base, "launch": {"look_ahead": False}})
+    assert off.launch.look_ahead is False and off.launch.to_dict()["look_ahead"] is False
+    with pytest.raises(ValueError, match="launch.look_ahead"):
+        GroupConfig.from_dict({**base, "launch": {"look_ahead": "no"}})
