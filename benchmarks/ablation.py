@@ -52,7 +52,7 @@ def group(path: str, profile: dict, p: float, launch: dict, interference: float,
     return GroupConfig.from_dict({
         "models": [{"name": "small", "path": path, "kv_cache_tokens": kv, "max_running_requests": max_running},
                    {"name": "large", "path": path, "kv_cache_tokens": kv, "max_running_requests": max_running}],
-        "algorithm": {"name": "bernoulli", "p": p}, "launch": launch,
+        "algorithm": {"name": "bernoulli", "p": p}, "launch": {**launch, "look_ahead": False},  # the models plan none
         "executor": {"mode": "latency", "profile": prof}})
 
 

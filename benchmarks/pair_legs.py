@@ -11,7 +11,9 @@ on (tokenrouter/engine/step_trace.py). For each run, over its steady window (all
   ms = c0 + c1 x rows + c2 x requests, which says whether a model pays per step or per row;
 - the mean number of requests in each leg (tokenrouter.planner.sim.LEGS: on S, on its way to L and
   in L's queue, on L, back to S; for the large model alone every request is "on S", its model), and
-  by Little's law the milliseconds per request in each.
+  by Little's law the milliseconds per request in each;
+- for the pair, the large model's look-ahead rows and the returns they answered (engine.py
+  Engine.hand_off); `--look-ahead-ab` runs the pair a second time with look-ahead off.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/pair_legs.py --config PAIR.yaml --n 8 --requests 48 \\
         --max-tokens 32 --b 1,4
@@ -74,6 +76,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     closed_loop_args(ap)
     ap.add_argument("--b", default="1", help="the large model's launch thresholds to run the pair at")
+    ap.add_argument("--look-ahead-ab", action="store_true",
+                    help="run the pair again with launch.look_ahead off (engine.py Engine.hand_off)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     trace = tempfile.mkdtemp(prefix="pair-legs-")
@@ -86,31 +90,42 @@ def main() -> int:
     print("| setup | tok/s (steady) | ms per request | " + " | ".join(LEGS) + " | outside |")
     print("|---|---:|---:|" + "---:|" * (len(LEGS) + 1))
     notes = []
-    for setup, bs in (("large", [1]), ("routed", [int(b) for b in args.b.split(",")])):
+    bs = [int(b) for b in args.b.split(",")]
+    setups = [("large", [1], True), ("routed", bs, True)] + ([("routed", bs, False)] if args.look_ahead_ab else [])
+    for setup, bs, look_ahead in setups:
         cfg = real_group(args.config, setup)
         if setup == "routed":  # each row's B is the one it names: no planner re-sending its own table
-            cfg = GroupConfig.from_dict({**cfg.to_dict(), "launch": {"policy": "eager"}})
+            cfg = GroupConfig.from_dict({**cfg.to_dict(), "launch": {"policy": "eager", "look_ahead": look_ahead}})
         entry = Entry(cfg, detokenize=True)
         try:
             run_closed_loop(entry, prompts[:2 * args.n], params, args.n)  # warm-up: prefix caches, first steps
             for b in bs:
                 if setup == "routed":
                     entry.pool.send(cfg.names[1], SetThresholds({1: b}))
+                before = entry.stats()[cfg.names[-1]]
                 t0 = time.perf_counter()
                 res = run_closed_loop(entry, prompts, params, args.n)
+                after = entry.stats()[cfg.names[-1]]
                 window = res.steady_window
-                steps = read_trace(trace, t0, time.perf_counter())  # this run's: request ids repeat across entries
-                label = setup if setup == "large" else f"routed, B = {b}"
+                t1 = time.perf_counter()
+                steps = read_trace(trace, t0, t1)  # this run's: request ids repeat across entries
+                label = setup if setup == "large" else f"routed, B = {b}" + ("" if look_ahead else ", no look-ahead")
                 if window[1] <= window[0]:
                     print(f"| {label} | no steady window: give more --requests than --n |", flush=True)
                     continue
-                legs = request_legs(steps, *window)
+                legs = request_legs(read_trace(trace, t0, t1, with_answered=True), *window)
                 # Little's law: requests finish at (steady tokens / tokens per request) a second
                 per_s = res.steady_throughput / args.max_tokens
                 cells = " | ".join(f"{legs[k]:.2f} ({1000 * legs[k] / per_s:.0f} ms)" for k in LEGS)
                 print(f"| {label} | {res.steady_throughput:.1f} | {1000 * args.n / per_s:.0f} | {cells} | "
                       f"{args.n - sum(legs.values()):.2f} |", flush=True)
-                notes.append((label, model_rows(steps, cfg.names, window)))
+                rows = model_rows(steps, cfg.names, window)
+                if setup == "routed":
+                    rows.append(f"{cfg.names[-1]}'s look-ahead rows {after.look_aheads - before.look_aheads}, "
+                                f"returns answered from them {after.look_ahead_hits - before.look_ahead_hits}, "
+                                f"of its {after.handoffs_sent - before.handoffs_sent} hand-backs "
+                                "(the whole run)")
+                notes.append((label, rows))
         finally:
             entry.close()
     for label, rows in notes:

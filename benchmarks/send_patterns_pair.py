@@ -205,7 +205,7 @@ def main() -> int:
         entry = Entry(GroupConfig.from_dict({
             "name": f"default-{kind}", "models": [{"name": "small", "path": meta["small"]},
                                                  {"name": "large", "path": meta["large"]}],
-            "algorithm": algo, "launch": {"policy": "eager"}}))
+            "algorithm": algo, "launch": {"policy": "eager", "look_ahead": False}}))  # the planner models none
         runs = []
         sent: list[int] = []
         cut: list[int] = []

@@ -61,7 +61,7 @@ def traced_run(config: str, setup: str, prompts: list[list[int]], n: int, max_to
     the contexts off them), and the window."""
     cfg = real_group(config, setup)
     if setup == "routed":
-        cfg = GroupConfig.from_dict({**cfg.to_dict(), "launch": {"policy": "eager"}})
+        cfg = GroupConfig.from_dict({**cfg.to_dict(), "launch": {"policy": "eager", "look_ahead": False}})
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     entry = Entry(cfg, detokenize=True)
     try:

@@ -333,10 +333,7 @@ class Engine:
                 raise TPWorkerError(f"tensor-parallel worker {dead} exited; the step failed: {e}") from e
         if self.trace.enabled:
             assert self.trace_index is not None
-            ahead = sum(r.look_ahead for r in batch.reqs)
-            decided = [(r.rid, n) for r, n in zip(batch.reqs, batch.extend_lens) if not r.look_ahead]
-            self.trace.write(self.trace_index, start, time.perf_counter(), [rid for rid, _ in decided],
-                             [n for _, n in decided], ahead)
+            self.trace.write_batch(self.trace_index, start, time.perf_counter(), batch.reqs, batch.extend_lens)
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
@@ -366,17 +363,24 @@ class Engine:
 
     def _contain(self, reqs: list[Req], extend_lens: list[int], cause: Exception) -> StepFailed:
         """Find the requests a failed step failed on by running each alone, and finish them with an
-        error; when none fails alone (the batch as a whole did), all of them."""
+        error; when none fails alone (the batch as a whole did), all of them. A look-ahead row is
+        never blamed: its request lives at a peer, so it only gives the row up (PENDING), and its
+        next visit runs the row as an ordinary one, contained as any."""
+        own = [(r, n) for r, n in zip(reqs, extend_lens) if not r.look_ahead]
+        for req in reqs:
+            if req.look_ahead:
+                self.scheduler.drop_look_ahead(req)
         failed = []
-        if len(reqs) > 1:
-            for req, n in zip(reqs, extend_lens):
+        if len(own) > 1:
+            for req, n in own:
                 try:
                     self.runner.run([req], [n])
                 except Exception:  # noqa: BLE001 - this request is one the step fails on
                     failed.append(req)
-        for req in failed or reqs:
+        failed = failed or [r for r, _ in own]
+        for req in failed:
             self._finish(req, "error")
-        return StepFailed(failed or list(reqs), cause)
+        return StepFailed(failed, cause)
 
     def step(self) -> StepResult:
         """One step of single-model decoding: every sampled token is committed. Requests the step

@@ -191,7 +191,7 @@ class LatencyModelRunner:
 
         start = time.perf_counter()
         self.clock.work(self.latency(len(reqs), sum(extend_lens)), in_flight)
-        self.trace.write(self.clock.me, start, time.perf_counter(), [r.rid for r in reqs], list(extend_lens))
+        self.trace.write_batch(self.clock.me, start, time.perf_counter(), reqs, extend_lens)
         return outs[0]
 
     def _draw(self, reqs: list[Req], extend_lens: list[int]) -> StepOutput:

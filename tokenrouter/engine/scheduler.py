@@ -171,23 +171,19 @@ class Scheduler:
         """Pick this step's batch, allocating the pages it writes; None when nothing launches."""
         running = ReqStatus.RUNNING
         runs = [r for r in self.running if r.status is running]
-        # A look-ahead row rides on a step that launches for other work: it never launches one.
         ahead = [r for r in runs if r.look_ahead] if any(r.look_ahead for r in runs) else []
-        if not self.launch.should_launch(len(runs) - len(ahead) + len(self.waiting), self.num_active):
+        if ahead:
+            runs = [r for r in runs if not r.look_ahead]
+        if not self.launch.should_launch(len(runs) + len(self.waiting), self.num_active):
             return None
         budget = self.cfg.chunked_prefill_size
         p = self.cfg.page_size
         reqs: list[Req] = []
         lens: list[int] = []
-        # Running requests first, decodes before unfinished prefills, oldest first, look-aheads last.
-        # A request whose pages already cover its extend (most decodes) skips _grow: this loop runs
-        # every step.
-        if ahead:
-            runs = [r for r in runs if not r.look_ahead]
+        # Running requests first, decodes before unfinished prefills, oldest first. A request whose
+        # pages already cover its extend (most decodes) skips _grow: this loop runs every step.
         prefills = [r for r in runs if len(r.tokens) - r.kv_len > 1]
         order = [r for r in runs if len(r.tokens) - r.kv_len <= 1] + prefills if prefills else runs
-        if ahead:
-            order = order + ahead
         for req in order:
             if req.status is not running or budget == 0:
                 continue  # preempted by an earlier request of this loop, or out of budget
@@ -209,6 +205,20 @@ class Scheduler:
             reqs.append(req)
             lens.append(n)
             budget -= n
+        # Look-ahead rows last, on a step that launched for other work, with what is left: the
+        # budget and free pages only (no eviction, no preemption); without a page one gives up.
+        for req in ahead:
+            if not reqs or budget == 0:
+                break
+            need = self._pages_for(req, len(req.tokens))
+            pages = self.pool.alloc(need) if need > 0 else []
+            if pages is None:
+                self.drop_look_ahead(req)
+                continue
+            req.pages.extend(pages)
+            reqs.append(req)
+            lens.append(1)
+            budget -= 1
         return ScheduledBatch(reqs, lens) if reqs else None
 
     def _grow(self, req: Req, num_tokens: int, protect: list[Req]) -> bool:
@@ -220,9 +230,6 @@ class Scheduler:
             if pages is not None:
                 req.pages.extend(pages)
                 return True
-            if req.look_ahead:  # a look-ahead row never costs another request its pages
-                self.drop_look_ahead(req)
-                return False
             victims = [r for r in self.running
                        if r.status is ReqStatus.RUNNING and not r.look_ahead and r not in protect]
             victim = victims[-1]  # req itself is a candidate, so this is never empty

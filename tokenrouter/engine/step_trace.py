@@ -30,6 +30,7 @@ from typing import IO
 
 import numpy as np
 
+from tokenrouter.engine.req import Req
 from tokenrouter.planner.sim import LEGS
 
 ENV = "TOKENROUTER_STEP_TRACE"
@@ -55,6 +56,22 @@ class StepTraceWriter:
         if self.directory is not None:
             self._line(json.dumps([model, start, end, rids, extend_lens] + ([ahead] if ahead else [])))
 
+    def write_batch(self, model: int, start: float, end: float, reqs: list[Req], extend_lens: list[int]) -> None:
+        """A step's line from its batch: look-ahead rows (engine.py Engine.hand_off) as a count, since
+        they are not their requests' decisions."""
+        if self.directory is None:
+            return
+        if not any(r.look_ahead for r in reqs):
+            self.write(model, start, end, [r.rid for r in reqs], list(extend_lens))
+            return
+        own = [(r.rid, n) for r, n in zip(reqs, extend_lens) if not r.look_ahead]
+        self.write(model, start, end, [rid for rid, _ in own], [n for _, n in own], len(reqs) - len(own))
+
+    def write_answered(self, model: int, at: float, rids: list[str]) -> None:
+        """Returns `model` answered at `at` from look-ahead rows, without a step: each is a visit."""
+        if self.directory is not None:
+            self._line(json.dumps({"model": model, "answered": rids, "at": at}))
+
     def write_stages(self, model: int, start: float, stages: dict[str, float]) -> None:
         """Seconds per stage of the runtime around one step (or one entry poll), when tracing."""
         if self.directory is not None:
@@ -78,6 +95,9 @@ class Step:
     # Look-ahead rows the step also ran, one token each, for requests at a peer (engine.py
     # Engine.hand_off): computed, but not those requests' decisions, so not in rids.
     ahead: int = 0
+    # A return answered from a look-ahead row (read_trace's with_answered): a visit of one decision
+    # at `start` (= end) that ran no step; its one row ran in an earlier step, counted there.
+    answered: bool = False
 
     @property
     def rows(self) -> int:
@@ -93,9 +113,13 @@ class StageRecord:
     step: Step | None  # the model step it surrounds (the subserver's records), else None
 
 
-def read_trace(directory: str, start: float = -np.inf, end: float = np.inf) -> list[Step]:
-    """Every traced step that began in [start, end], sorted by start time."""
-    steps = [s for s in _read(directory) if isinstance(s, Step) and start <= s.start <= end]
+def read_trace(directory: str, start: float = -np.inf, end: float = np.inf,
+               with_answered: bool = False) -> list[Step]:
+    """Every traced step that began in [start, end], sorted by start time. `with_answered`: also each
+    return answered from a look-ahead row, as a Step with `answered` set (one request, one token, no
+    duration), for the readers of visits (visit_runs, request_legs); never for step costs."""
+    steps = [s for s in _read(directory) if isinstance(s, Step) and start <= s.start <= end
+             and (with_answered or not s.answered)]
     return sorted(steps, key=lambda s: s.start)
 
 
@@ -112,7 +136,10 @@ def _read(directory: str) -> list[Step | StageRecord]:
         with open(path) as f:
             for line in f:
                 rec = json.loads(line)
-                if isinstance(rec, dict):
+                if isinstance(rec, dict) and "answered" in rec:
+                    out.extend(Step(rec["model"], rec["at"], rec["at"], [rid], [1], answered=True)
+                               for rid in rec["answered"])
+                elif isinstance(rec, dict):
                     step = last if rec["model"] >= 0 else None
                     out.append(StageRecord(rec["model"], rec["start"], rec["stages"], step))
                     last = None

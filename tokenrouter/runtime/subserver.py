@@ -169,9 +169,11 @@ class Subserver:
                     self._fail(rid)
         if self.answered:
             rows, self.answered = self.answered, []
+            rows = [row for row in rows if self.engine.reqs.get(row.reqs[0].rid) is row.reqs[0]]  # not aborted since
+            if self.trace.enabled:
+                self.trace.write_answered(self.index, time.perf_counter(), [row.reqs[0].rid for row in rows])
             for row in rows:
-                if row.reqs[0].rid in self.engine.reqs:  # not aborted by a later message of this drain
-                    self._commit(row)
+                self._commit(row)
         if self.trace.enabled:
             self.drain_seconds += time.perf_counter() - t0
 
@@ -447,7 +449,8 @@ class Subserver:
             notices.setdefault(peer, []).append(_finish_notice(req.rid))
 
     def _handoff(self, req: Req, dest: str, now: float) -> Handoff:
-        """Set req PENDING; its hand-off to `dest`, to send with the step's others."""
+        """Hand req to `dest` (PENDING here, or first its look-ahead row); its hand-off, to send with
+        the step's others."""
         if dest not in self.io.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
         state = self.states.live[req.rid]
