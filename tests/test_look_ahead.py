@@ -190,6 +190,22 @@ def test_a_failed_step_does_not_fail_a_look_ahead_row(pair, monkeypatch):
     eng.check_integrity()
 
 
+def test_check_integrity_holds_look_ahead_to_its_invariants(pair):
+    eng = make_engine(pair["large"])
+    a, b = _two(eng)
+    eng.hand_off(a, look_ahead=True)
+    _commit(eng, eng.forward_step())
+    eng.check_integrity()  # a PENDING with its row set aside, b decoding
+    eng.scheduler.resume(a)  # a set-aside row of a RUNNING request
+    with pytest.raises(AssertionError, match="set-aside row"):
+        eng.check_integrity()
+    eng.scheduler.set_pending(a)
+    b.look_ahead = True
+    b.tokens.append(7)  # two tokens to run: not a look-ahead row
+    with pytest.raises(AssertionError, match="look-ahead while running with 2 tokens"):
+        eng.check_integrity()
+
+
 def test_the_trace_counts_look_ahead_rows_apart(pair, tmp_path, monkeypatch):
     """A look-ahead row is not its request's decision: the step-trace line lists it as a count, so the
     run lengths read off a trace (step_trace.py visit_runs) see the request at its peer."""

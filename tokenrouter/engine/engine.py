@@ -454,7 +454,18 @@ class Engine:
         self.stats.finished += 1
 
     def check_integrity(self) -> None:
+        """The scheduler's page invariants, and look-ahead's (Engine.hand_off): a look-ahead request is
+        RUNNING with exactly its own last token to run; a set-aside row belongs to a PENDING request
+        whose tokens all have KV, and samples its next position."""
         self.scheduler.check_integrity()
+        for req in self.reqs.values():
+            if req.look_ahead and (req.status is not ReqStatus.RUNNING or req.extend_len != 1):
+                raise AssertionError(f"request {req.rid}: look-ahead while {req.status.value} with "
+                                     f"{req.extend_len} tokens to run")
+        for rid, row in self.ahead.items():
+            req = self.reqs.get(rid)
+            if req is None or row.reqs != [req] or req.status is not ReqStatus.PENDING or req.extend_len != 0:
+                raise AssertionError(f"request {rid}: a set-aside row without a PENDING request fully computed")
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
