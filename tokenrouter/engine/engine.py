@@ -279,8 +279,7 @@ class Engine:
         req = self.reqs[rid]
         ahead = self.ahead.pop(rid, None)
         unchanged = loc == len(req.tokens) and not suffix
-        if req.look_ahead:  # came back before its look-ahead row ran: it runs as a normal row
-            req.look_ahead = False
+        req.look_ahead = False  # back before its look-ahead row ran: it runs as a normal row
         self.scheduler.truncate(req, loc)
         if req.grammar is not None:
             req.grammar.truncate(max(0, loc - req.prompt_len))
@@ -348,8 +347,7 @@ class Engine:
         keep = []
         for i, req in enumerate(out.reqs):
             if req.look_ahead:
-                req.look_ahead = False
-                self.scheduler.set_pending(req)
+                self.scheduler.end_look_ahead(req)
                 self.ahead[req.rid] = out.rows([i])
                 self.stats.look_aheads += 1
             else:
@@ -369,7 +367,7 @@ class Engine:
         own = [(r, n) for r, n in zip(reqs, extend_lens) if not r.look_ahead]
         for req in reqs:
             if req.look_ahead:
-                self.scheduler.drop_look_ahead(req)
+                self.scheduler.end_look_ahead(req)
         failed = []
         if len(own) > 1:
             for req, n in own:

@@ -133,8 +133,8 @@ class Scheduler:
             raise ValueError(f"only a RUNNING request can go PENDING, {req.rid} is {req.status.value}")
         req.status = ReqStatus.PENDING
 
-    def drop_look_ahead(self, req: Req) -> None:
-        """req's look-ahead row will not run: PENDING now, as any request at a peer."""
+    def end_look_ahead(self, req: Req) -> None:
+        """req's look-ahead is over (its row ran, or will not): PENDING now, as any request at a peer."""
         req.look_ahead = False
         req.status = ReqStatus.PENDING
 
@@ -171,7 +171,7 @@ class Scheduler:
         """Pick this step's batch, allocating the pages it writes; None when nothing launches."""
         running = ReqStatus.RUNNING
         runs = [r for r in self.running if r.status is running]
-        ahead = [r for r in runs if r.look_ahead] if any(r.look_ahead for r in runs) else []
+        ahead = [r for r in runs if r.look_ahead]
         if ahead:
             runs = [r for r in runs if not r.look_ahead]
         if not self.launch.should_launch(len(runs) + len(self.waiting), self.num_active):
@@ -213,7 +213,7 @@ class Scheduler:
             need = self._pages_for(req, len(req.tokens))
             pages = self.pool.alloc(need) if need > 0 else []
             if pages is None:
-                self.drop_look_ahead(req)
+                self.end_look_ahead(req)
                 continue
             req.pages.extend(pages)
             reqs.append(req)

@@ -61,9 +61,6 @@ class StepTraceWriter:
         they are not their requests' decisions."""
         if self.directory is None:
             return
-        if not any(r.look_ahead for r in reqs):
-            self.write(model, start, end, [r.rid for r in reqs], list(extend_lens))
-            return
         own = [(r.rid, n) for r, n in zip(reqs, extend_lens) if not r.look_ahead]
         self.write(model, start, end, [rid for rid, _ in own], [n for _, n in own], len(reqs) - len(own))
 
