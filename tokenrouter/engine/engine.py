@@ -8,6 +8,7 @@ import random
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -17,7 +18,7 @@ from tokenrouter.engine.compiled_step import CompiledDecode
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.grammar import GrammarCompiler, GrammarViolation, check_structured_output
 from tokenrouter.engine.latency_model import LatencyModelRunner
-from tokenrouter.engine.model_loader import load_model
+from tokenrouter.engine.model_loader import load_model, quantize
 from tokenrouter.engine.model_runner import ModelRunner, StepOutput, StepOutputSpec
 from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
@@ -30,6 +31,7 @@ from tokenrouter.engine.tp_worker import TensorParallel, TPWorkerError
 from tokenrouter.models import fused_ops, onednn_linear, skinny_gemm
 from tokenrouter.models.attention.registry import make_backend
 from tokenrouter.models.config import ModelConfig
+from tokenrouter.models.gguf_weights import GGUF_FILE
 from tokenrouter.models.kv_pool import KVPool, available_memory_bytes
 from tokenrouter.models.tp_group import check_tp_divisible
 from tokenrouter.sampling_params import SamplingParams
@@ -130,11 +132,12 @@ class Engine:
                latency_runner: LatencyModelRunner | None) -> None:
         tp = self.tp
         self.model = None
+        self.quantization = "none"  # what the model's products serve (model_loader.quantize)
         if latency_runner is None:
             self.model = _on_every_rank(tp, "loading its weights", lambda: load_model(
                 cfg.model_path, self.dtype, self.device, tp.group if tp else None))
             if cfg.packs_linears(self.device, self.dtype, onednn_linear.available()):
-                skinny = skinny_gemm.load_kernel() if cfg.uses_skinny(torch.get_num_threads()) else None
+                skinny = skinny_gemm.load_kernel() if cfg.uses_skinny() else None
                 if skinny is None and cfg.linear_backend == "skinny":
                     raise RuntimeError("linear_backend skinny: the skinny GEMM could not be built (see the log)")
                 self.model.pack_linear_weights(max(cfg.chunked_prefill_size, cfg.max_running_requests),
@@ -142,6 +145,15 @@ class Engine:
                 ops = fused_ops.load_kernel() if skinny is not None else None
                 if ops is not None:
                     self.model.use_fused_ops(ops)
+                self.quantization = quantize(self.model, cfg.model_path, cfg.quantization)
+            elif cfg.quantization == "int8":
+                raise ValueError("quantization int8 needs packed linears: float32 on CPU, tp_size 1, eager decode "
+                                 "steps and a PyTorch built with oneDNN")
+            elif (Path(cfg.model_path) / GGUF_FILE).is_file() and cfg.quantization == "auto":
+                logger.info("%s: its %s blocks are served as float weights here (the quantized kernels take float32 "
+                            "on CPU, one rank, eager decode)", cfg.model_path, GGUF_FILE)
+            if self.quantization != "none":
+                logger.info("%s: quantized products: %s", cfg.model_path, self.quantization)
         self.tokenizer = load_tokenizer(cfg.model_path) if cfg.load_tokenizer else None
         self.eos_token_ids = set(mc.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

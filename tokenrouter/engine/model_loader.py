@@ -8,13 +8,18 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import logging
+
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenrouter.models import build_model
 from tokenrouter.models.config import ModelConfig, ModelLoadError
+from tokenrouter.models.gguf_weights import GGUF_FILE, BlockWeight, read_gguf
 from tokenrouter.models.llama import LlamaForCausalLM
 from tokenrouter.models.tp_group import TPGroup
+
+logger = logging.getLogger(__name__)
 
 
 def _iter_safetensors(files: list[Path], model: LlamaForCausalLM | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -63,3 +68,34 @@ def load_tensor(path: str | Path, name: str) -> torch.Tensor:
             if name in st.keys():
                 return st.get_tensor(name)
     raise ModelLoadError(f"{str(path)!r} has no tensor {name!r}")
+
+
+def quantize(model: LlamaForCausalLM, path: str | Path, quantization: str) -> str:
+    """Give a loaded (and packed) model its quantized products as `quantization` asks (EngineConfig):
+    auto serves the folder's GGUF_FILE blocks where it has one, int8 quantizes the float weights.
+    The blocks must be the folder's float weights exactly (a folder converted from the file, or a
+    student stored as prepare stores it): a folder whose two copies disagree is refused, naming the
+    tensor. Returns what is served, for the log and the server's model card."""
+    gguf = Path(path) / GGUF_FILE
+    if quantization == "none" or (quantization == "auto" and not gguf.is_file()):
+        return "none"
+    if quantization == "int8":
+        model.quantize_linear_weights(None)
+        return "int8 (weight-only, per output channel)"
+    blocks = read_gguf(gguf, model.config)
+    for name, weight in blocks.items():
+        values = weight.dequantize() if isinstance(weight, BlockWeight) else weight
+        target = model.checkpoint_tensor(name)
+        if target is None or not torch.equal(values, target):
+            what = "has no place in the model" if target is None else (
+                f"differs from the folder's float weights (largest difference {float((values - target).abs().max()):.3g})"
+                if values.shape == target.shape else f"has shape {tuple(values.shape)}, the model {tuple(target.shape)}")
+            raise ModelLoadError(f"{gguf}: tensor {name!r} {what}; the folder's two copies of the model disagree: "
+                                 f"convert it again, or remove {GGUF_FILE} to serve the float weights")
+    left = model.quantize_linear_weights(blocks)
+    kinds = sorted({w.kind for w in blocks.values() if isinstance(w, BlockWeight)})
+    if left:
+        logger.info("%s: %d weights stay on float32 products (not blocks of one kind), first %s", gguf, len(left),
+                    left[0])
+    return f"gguf ({', '.join(kinds) or 'no blocks'})"
+

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from tokenrouter.models import packed_linear, skinny_gemm
+from tokenrouter.models import packed_linear, quantized_linear, skinny_gemm
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.fused_ops import FusedOps
+from tokenrouter.models.gguf_weights import BlockWeight, Weight
 from tokenrouter.models.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
 from tokenrouter.models.parallel_layers import (
     ColumnParallelLinear,
@@ -101,6 +102,23 @@ _STACKED = {
 }
 
 
+# A fused linear layer's checkpoint parts, in the order its rows hold them.
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _merge_blocks(parts: list[Weight | None]) -> BlockWeight | None:
+    """The parts stacked by rows, where all are blocks of one kind (else None)."""
+    if not all(isinstance(p, BlockWeight) for p in parts):
+        return None
+    blocks = [p for p in parts if isinstance(p, BlockWeight)]
+    if len({b.kind for b in blocks}) != 1:
+        return None
+    if len(blocks) == 1:
+        return blocks[0]
+    mins = None if blocks[0].mins is None else torch.cat([b.mins for b in blocks if b.mins is not None])
+    return BlockWeight(blocks[0].kind, torch.cat([b.codes for b in blocks]), torch.cat([b.scales for b in blocks]), mins)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None) -> None:
         super().__init__()
@@ -161,6 +179,38 @@ class LlamaForCausalLM(nn.Module):
         packed_linear.warm_up(pairs, max_step_rows)
         packed_linear.warm_up([(self.lm_head_weight, self.lm_head_packed)], max_sampled_rows)
 
+    def quantize_linear_weights(self, blocks: dict[str, Weight] | None) -> list[str]:
+        """Give the linear layers, and the head's screen where it has one, a quantized form for the
+        quantized kernel's row counts (models/quantized_linear.py): from `blocks` (a GGUF file's
+        tensors by Hugging Face name, gguf_weights.read_gguf) or, with None, int8 per output channel
+        of the float weights. Returns the weights left on the float path: those whose tensors are
+        not all blocks of one kind (a fused q/k/v or gate/up must be). Call after pack_linear_weights."""
+        assert self.tp.size == 1, "quantized linears are for a single rank"
+        left = []
+        for name, module in self.named_modules():
+            if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                continue
+            if blocks is None:
+                module.quantized = quantized_linear.int8_per_channel(module.weight)
+                continue
+            parts = [blocks.get(f"{name}.weight".replace(".qkv_proj.", f".{p}.").replace(".gate_up_proj.", f".{p}."))
+                     for p in _FUSED_PARTS.get(name.rsplit(".", 1)[-1], ("",))]
+            merged = _merge_blocks(parts)
+            if merged is None:
+                left.append(name)
+            else:
+                module.quantized = quantized_linear.from_blocks(merged)
+        head_name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
+        if self.lm_head_screened is not None:
+            source = None if blocks is None else blocks.get(head_name)
+            if blocks is None:
+                self.lm_head_screened.add_quantized(quantized_linear.int8_per_channel(self.lm_head_weight), None)
+            elif isinstance(source, BlockWeight):
+                self.lm_head_screened.add_quantized(quantized_linear.from_blocks(source), source)
+            else:
+                left.append(head_name)
+        return left
+
     def use_fused_ops(self, ops: FusedOps) -> None:
         """Norms, rotary and SiLU on the fused C ops (float32 on CPU; models/fused_ops.py) from here on
         (the runner's sampler takes their argmax too)."""
@@ -195,6 +245,19 @@ class LlamaForCausalLM(nn.Module):
             return None  # norms, o_proj bias: every rank holds all of it
         start, end = tp.shard(full)
         return dim, start, end, full
+
+    def checkpoint_tensor(self, name: str) -> torch.Tensor | None:
+        """The loaded values of checkpoint tensor `name` (one rank; a fused parameter's rows for a
+        part, the head's weight for a tied lm_head), or None where the model has no such tensor."""
+        if name == "lm_head.weight":
+            return self.lm_head_weight
+        params = dict(self.named_parameters())
+        for frag, (fused, shard) in _STACKED.items():
+            if frag in name and name.replace(frag, fused) in params:
+                lo, hi = self._shard_bounds(fused, shard)
+                return params[name.replace(frag, fused)].data[lo:hi]
+        param = params.get(name)
+        return None if param is None else param.data
 
     def _shard_bounds(self, fused: str, shard: int) -> tuple[int, int]:
         """Rows of this rank's fused parameter that hold checkpoint shard `shard` (q/k/v, gate/up)."""

@@ -7,7 +7,8 @@ Why both: per decode step at SmolLM2's shapes the skinny kernel measured 1.8x on
 1.35x at 8, 1.1-1.2x at 12-24 and even at 64 (benchmarks/skinny_gemm_costs.py); past 64 rows
 oneDNN's blocking reuses each weight for more rows than the skinny tile holds. With the skinny kernel
 oneDNN only ever sees the `BLOCK_ROWS` counts, so it keeps five primitives per weight shape instead
-of 69. Without a C compiler, oneDNN takes every row count (`skinny` None).
+of 69. Without a C compiler, oneDNN takes every row count (`skinny` None), and so it does while a step
+runs on more than one torch thread (the skinny kernel runs on one; oneDNN spreads over the others).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def pack(weight: torch.Tensor, skinny: skinny_gemm.SkinnyGemm | None) -> PackedL
 
 def linear(x: torch.Tensor, w: PackedLinear, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times the packed weight (plus bias)."""
-    if w.skinny is None:
+    if w.skinny is None or torch.get_num_threads() > 1:  # the skinny kernel runs on one thread
         return onednn_linear.linear(x, w.onednn, bias)
     rows = x.shape[0]
     if rows <= onednn_linear.MAX_EXACT_ROWS:

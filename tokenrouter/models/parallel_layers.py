@@ -22,40 +22,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrouter.models import packed_linear
+from tokenrouter.models import packed_linear, quantized_linear
 from tokenrouter.models.tp_group import TPGroup
 
 
-class ColumnParallelLinear(nn.Module):
+class _Linear(nn.Module):
+    """A linear layer's product on one rank: the quantized weight for inputs of up to
+    `quantized_linear.MAX_ROWS` rows where it has one (models/quantized_linear.py), else the
+    prepacked float weight where packed (models/packed_linear.py), else F.linear."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
+        self.quantized: quantized_linear.QuantizedLinear | None = None  # quantize_linear_weights
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None and x.shape[0] <= quantized_linear.MAX_ROWS:
+            return quantized_linear.linear(x, self.quantized, bias)
+        if self.packed is not None:
+            return packed_linear.linear(x, self.packed, bias)
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features_local: int, bias: bool, tp: TPGroup) -> None:
         """`out_features_local`: this rank's output features."""
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features_local, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features_local)) if bias else None
-        self.packed: packed_linear.PackedLinear | None = None  # the weight prepacked (pack_linear_weights)
+        super().__init__(out_features_local, in_features, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear.linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.product(x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
         """`in_features`: the full input width; this rank holds in_features / tp of its columns."""
-        super().__init__()
-        self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // tp.size))
-        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: packed_linear.PackedLinear | None = None  # the weight prepacked (tp size 1 only)
+        super().__init__(out_features, in_features // tp.size, bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return packed_linear.linear(x, self.packed, self.bias)
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.product(x, self.bias)
+        out = self.tp.all_reduce(self.product(x, None))
         return out if self.bias is None else out + self.bias
 
 

@@ -23,6 +23,12 @@ k-th largest logit, so a column whose a_j + b_j falls below it cannot be among t
 union of the other columns over the rows (ascending) holds every row's exact top k and every index
 of its largest logit; recomputed exactly, their top k is the full head's and their first maximum its
 argmax (tests/test_screened_head.py).
+
+The quantized screen. Where the head's weights come as GGUF blocks (or int8, models/quantized_linear.py),
+the screen reads those instead (a quarter of the float32 bytes for Q8_0, an eighth for Q4), on torch's
+int4 or int8 kernel, and the exact columns are still the float32 weights' (the file's values). Its
+bound is the kernel's (quantized_linear.ErrorBound, against the exact product) plus the exact
+value's own g ||w_j||.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ from typing import NamedTuple
 
 import torch
 
-from tokenrouter.models import onednn_linear, skinny_gemm
+from tokenrouter.models import onednn_linear, quantized_linear, skinny_gemm
+from tokenrouter.models.gguf_weights import BlockWeight
 
 _UB, _U = 2.0 ** -8, 2.0 ** -24
 MAX_ROWS = onednn_linear.MAX_EXACT_ROWS  # larger steps (prompt scoring, long catch-ups) take the full head
@@ -47,9 +54,10 @@ class ScreenedTop(NamedTuple):
 
 
 class ScreenedHead:
-    """Over a float32 head weight [vocab, k] (the model's own tensor, not copied) and its bfloat16
-    pair panels (built here, half its size). Where `top(x, k)` is None the caller computes the full
-    logits."""
+    """Over a float32 head weight [vocab, k] (the model's own tensor, not copied) and its bfloat16 pair
+    panels (built here, half its size; the skinny kernel's screen); `add_quantized` adds the head as
+    the quantized kernel holds it, which then screens that kernel's row counts. Where `top(x, k)` is
+    None the caller computes the full logits."""
 
     def __init__(self, weight: torch.Tensor, kernel: skinny_gemm.SkinnyGemm) -> None:
         if weight.dtype != torch.float32 or weight.dim() != 2 or weight.stride(1) != 1:
@@ -57,27 +65,57 @@ class ScreenedHead:
                              f"{tuple(weight.shape)}")
         self.weight = weight.detach()
         self.kernel = kernel
-        self.pairs = skinny_gemm.pack_pairs(self.weight)
-        self.norms = torch.linalg.vector_norm(self.weight, dim=1, dtype=torch.float64)
+        self.norms = norms = torch.linalg.vector_norm(self.weight, dim=1, dtype=torch.float64)
         k = weight.shape[1]
-        g = k * _U / (1 - k * _U)
-        self.factor = (2 * _UB + _UB ** 2 + g * ((1 + _UB) ** 2 + 1)) * (1 + 1e-6)
+        g = _gamma(k)
+        self.pairs = skinny_gemm.pack_pairs(self.weight)
         low, high = torch.aminmax(self.weight)
-        self.flushed = 3 * k * 2.0 ** -126 * (1 + max(-float(low), float(high)))  # times (1 + max|x_j|)
+        # per column: (2 u_b + u_b^2 + g ((1 + u_b)^2 + 1)) ||w_j||
+        self.pair_bounds = _Bounds((2 * _UB + _UB ** 2 + g * ((1 + _UB) ** 2 + 1)) * (1 + 1e-6) * norms,
+                                   _flushed(k, max(-float(low), float(high))))
+        self.quantized: quantized_linear.QuantizedLinear | None = None
+        self.quantized_bounds: _Bounds | None = None
         # Past this many columns to recompute (a flat row), the full head is cheaper.
         self.max_columns = max(weight.shape[0] // 8, 1)
+
+    def add_quantized(self, quantized: quantized_linear.QuantizedLinear, source: BlockWeight | None) -> None:
+        """Screen the quantized kernel's row counts on `quantized`, the head as that kernel holds it
+        (`source`: the GGUF blocks it was made from; None for int8 per channel)."""
+        bound = quantized_linear.error_bound(quantized, source, self.weight)
+        # the exact value's own error, g ||w_j||, on top of the kernel's against the exact product
+        self.quantized = quantized
+        self.quantized_bounds = _Bounds(bound.columns + _gamma(self.weight.shape[1]) * self.norms * (1 + 1e-6),
+                                        bound.flushed)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
         """Whether the screen serves these rows (float32 on CPU, the skinny kernel's row counts)."""
         return x.dtype == torch.float32 and x.device.type == "cpu" and 1 <= x.shape[0] <= MAX_ROWS
 
+    def uses_quantized(self, x: torch.Tensor) -> bool:
+        """Whether rows x take the quantized screen (the quantized kernel's row counts) or the pairs."""
+        return self.quantized is not None and x.shape[0] <= quantized_linear.MAX_ROWS
+
+    def approx(self, x: torch.Tensor) -> torch.Tensor:
+        """The screen's products [rows, vocab], float32."""
+        if self.uses_quantized(x):
+            assert self.quantized is not None
+            return quantized_linear.linear(x, self.quantized)
+        return self.kernel.screen(x, self.pairs, self.weight.shape[0])
+
+    def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(scale per row, bound per column, offset): |approx[r, j] - exact[r, j]| <= scale[r] *
+        column[j] + offset, exact being the float32 head's value."""
+        b = self.quantized_bounds if self.uses_quantized(x) else self.pair_bounds
+        assert b is not None
+        xd = x.double()
+        return xd.norm(dim=1), b.columns, b.flushed * (1 + float(xd.abs().max()))
+
     def columns(self, x: torch.Tensor, k: int) -> torch.Tensor | None:
         """The columns (ascending) the screen cannot rule out of some row's k largest logits (k >= 1)."""
-        approx = self.kernel.screen(x, self.pairs, self.weight.shape[0])
-        xd = x.double()
-        offset = self.flushed * (1 + float(xd.abs().max()))
-        return self.kernel.select(approx, k, self.factor * xd.norm(dim=1), self.norms, offset)
+        approx = self.approx(x)
+        scale, columns, offset = self.bounds(x)
+        return self.kernel.select(approx, k, scale, columns, offset)
 
     def top(self, x: torch.Tensor, k: int) -> ScreenedTop | None:
         """x [rows, hidden] float32: each row's argmax and, for k > 0, its k largest exact logits (k <= vocab;
@@ -92,3 +130,19 @@ class ScreenedHead:
             return ScreenedTop(argmax, None, None)
         values, at = exact.topk(k, dim=1)
         return ScreenedTop(argmax, values, cols[at])
+
+
+class _Bounds(NamedTuple):
+    columns: torch.Tensor  # float64 [vocab]: each column's factor of ||x||
+    flushed: float  # the flushed-subnormal term, times (1 + max|x_j|)
+
+
+def _flushed(terms: int, largest: float) -> float:
+    """What flushing subnormal inputs, products and sums to zero can change in a sum of `terms`
+    products whose weights are at most `largest` in magnitude, per unit of (1 + max|x_j|)."""
+    return 3 * terms * 2.0 ** -126 * (1 + largest)
+
+
+def _gamma(n: int) -> float:
+    """The float32 summation factor of n terms, n u / (1 - n u)."""
+    return n * _U / (1 - n * _U)

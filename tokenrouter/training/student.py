@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from tokenrouter.models.config import ModelConfig
+from tokenrouter.models.gguf_weights import BLOCK_KINDS, GGUF_FILE, BlockWeight, read_gguf, write_gguf
 from tokenrouter.training import champ
 from tokenrouter.training.large_answers import Exchange
 
@@ -74,6 +76,10 @@ class StudentSettings:
     # Sequence-level distillation: sequences of seq_len packed from the large model's own answers to
     # training problems of every eval task (large_answers.py), added to the corpus sequences above.
     task_sequences: int = 0
+    # After training, the student is stored as SmolLM2's file stores it (models/gguf_weights.py): its
+    # projections as these blocks, its embedding and tied head as Q8_0, and model.safetensors holds
+    # their dequantized values; the engine serves the blocks (--quantization auto). None: float only.
+    quantization: str | None = "Q4_1"
 
     def validate(self) -> None:
         for name in ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads", "seq_len",
@@ -93,6 +99,9 @@ class StudentSettings:
                              f"({self.batch_size})")
         if not 0.0 <= self.kd_weight <= 1.0:
             raise ValueError(f"kd_weight must be in [0, 1], got {self.kd_weight}")
+        if self.quantization is not None and self.quantization not in BLOCK_KINDS:
+            raise ValueError(f"student quantization must be one of {', '.join(BLOCK_KINDS)} or None, got "
+                             f"{self.quantization!r}")
 
     def uses_bf16(self) -> bool:
         if self.bf16 is not None:
@@ -284,6 +293,19 @@ def initial_student(teacher: Any, s: StudentSettings) -> Any:
     return student
 
 
+@torch.no_grad()
+def quantize_student(student: Any, path: Path, kind: str) -> None:
+    """Write the student's weights to `path` as a GGUF file (projections as `kind` blocks, the
+    embedding and tied head as Q8_0) and put their dequantized values into the student in place, so
+    its float weights are exactly what the blocks hold."""
+    cfg = ModelConfig.from_dict(student.config.to_dict())
+    state = student.state_dict()
+    tied = cfg.tie_word_embeddings
+    write_gguf(path, {k: v for k, v in state.items() if not (tied and k == "lm_head.weight")}, cfg, kind, "Q8_0")
+    for name, weight in read_gguf(path, cfg).items():
+        state[name].copy_(weight.dequantize() if isinstance(weight, BlockWeight) else weight)
+
+
 def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSettings | None = None,
                   progress: bool = True, exchanges: Sequence[Exchange] = (),
                   held_exchanges: Sequence[Exchange] = ()) -> Path:
@@ -339,13 +361,21 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
             history.append({"step": step, "ce": round(ce, 4), "loss": round(float(loss.detach()), 4)})
     seconds = time.monotonic() - start
     student.eval()
-    metrics = held_out_metrics(student, teacher, held)
-    if held_exchanges:
-        metrics.update(answer_agreement(student, held_exchanges))
 
+    def measured() -> dict[str, float]:
+        metrics = held_out_metrics(student, teacher, held)
+        if held_exchanges:
+            metrics.update(answer_agreement(student, held_exchanges))
+        return metrics
+
+    metrics = measured()
+    float_metrics = None
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".student-", dir=out.parent))
     try:
+        if s.quantization is not None:
+            quantize_student(student, tmp / GGUF_FILE, s.quantization)
+            float_metrics, metrics = metrics, measured()
         student.save_pretrained(str(tmp))
         for name in TOKENIZER_FILES:
             if (teacher_path / name).is_file():
@@ -355,6 +385,8 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
                 "train_tokens": len(train) * s.seq_len, "steps_tokens": s.steps * s.batch_size * s.seq_len,
                 "teacher_seconds": round(teacher_seconds, 1), "train_seconds": round(seconds, 1),
                 "torch_threads": torch.get_num_threads(), "held_out": metrics, "history": history}
+        if float_metrics is not None:  # before quantization: what storing it as blocks changed
+            meta["held_out_float"] = float_metrics
         (tmp / "student.json").write_text(json.dumps(meta, indent=1))
         if out.exists():
             shutil.rmtree(out)

@@ -1,11 +1,11 @@
 """Paged attention tuned for the CPU, pure PyTorch but for one native kernel; runs on CUDA as well.
 
-On CPU with a float32 pool and one torch thread, every request that extends by at most
-`KERNEL_MAX_EXTEND` tokens (decodes, short catch-ups) goes to the paged kernel
-(paged_decode_kernel.py): one call per layer, each query row reading its request's pages in place.
-Everything else, and everything when the kernel is off or cannot be built, takes the pure PyTorch
-paths below. The kernel is single-threaded, so with more torch threads the PyTorch paths, which
-use them, are kept.
+On CPU with a float32 pool, every request that extends by at most `KERNEL_MAX_EXTEND` tokens
+(decodes, short catch-ups) goes to the paged kernel (paged_decode_kernel.py): one call per layer,
+each query row reading its request's pages in place. Everything else, and everything when the
+kernel is off or cannot be built, takes the pure PyTorch paths below. The kernel is single-threaded;
+it is kept at any torch thread count, where the gather-and-bmm path measured slower at decode sizes
+(a step's attention is a small share of its products there).
 
 Requests are split into up to three groups, each attended in padded calls:
 
@@ -102,12 +102,12 @@ class TorchAttentionBackend(AttentionBackend):
         """`bmm_decode`: decodes by gather + bmm (default: on CPU) instead of SDPA.
         `decode_chunk_bytes`: gathered K per decode chunk (default: `CPU_DECODE_CHUNK_BYTES` on CPU,
         no chunking elsewhere). `kernel`: short extends on the paged kernel (default: on CPU with a
-        float32 pool and one torch thread, when the kernel builds); True where it cannot run is an error."""
+        float32 pool, when the kernel builds); True where it cannot run is an error."""
         super().__init__(pool, num_heads, num_kv_heads, head_dim)
         on_cpu = pool.k.device.type == "cpu"
         fits = on_cpu and pool.k.dtype == torch.float32
         self.kernel: PagedDecodeKernel | None = None
-        if kernel or (kernel is None and fits and torch.get_num_threads() == 1):
+        if kernel or (kernel is None and fits):
             if not fits:
                 raise ValueError(f"the paged kernel runs on a float32 CPU pool, not {pool.k.dtype} on {pool.k.device}")
             self.kernel = load_kernel()

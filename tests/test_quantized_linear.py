@@ -1,0 +1,277 @@
+"""Weights served as a GGUF file stores them (models/gguf_weights.py, models/quantized_linear.py,
+engine/model_loader.py `quantize`): blocks decoded exactly as the gguf package dequantizes them, the
+int4 and int8 products within their stated error bound at every row count, the head's quantized
+screen exact, an engine serving a folder's blocks under `--quantization auto` (and only for few rows),
+int8 for a float folder, and what is refused at load: a damaged block, a truncated file, a folder
+whose two copies disagree; a block type no kernel takes is dequantized, with a log line."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from engine_utils import need_compiler, prompts_of, skinny_kernel
+from gguf.quants import dequantize, quantize
+
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_runner import StepOutputSpec
+from tokenrouter.models import quantized_linear, skinny_gemm
+from tokenrouter.models.config import ModelConfig, ModelLoadError
+from tokenrouter.models.gguf_weights import GGUF_FILE, BlockWeight, decode_blocks, read_gguf, write_gguf
+from tokenrouter.models.screened_head import ScreenedHead
+from tokenrouter.sampling_params import SamplingParams
+
+KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def tiny_config(hidden: int = 64, inter: int = 96) -> ModelConfig:
+    return ModelConfig("llama", 320, hidden, inter, 1, 4, 2, hidden // 4, 1e-6, 10000.0, None, 256, False, False,
+                       (2,), 1)
+
+
+def one_weight_file(path: Path, kind: str, n: int, k: int, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    """A GGUF file holding one [n, k] projection (layer 0's ffn_down) as `kind` blocks; returns the float
+    weight quantized and the raw blocks."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * torch.linspace(0.01, 2.0, n)[:, None]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    blocks = quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+    writer.add_tensor("blk.0.ffn_down.weight", blocks, raw_dtype=gguf.GGMLQuantizationType[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return w, blocks
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_decode_to_the_gguf_packages_values(tmp_path, kind):
+    _, blocks = one_weight_file(tmp_path / "w.gguf", kind, 48, 96, seed=1)
+    weights = read_gguf(tmp_path / "w.gguf", tiny_config())
+    block = weights["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(block, BlockWeight) and block.kind == kind and block.shape == (48, 96)
+    expected = torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType[kind]).copy())
+    assert torch.equal(block.dequantize(), expected)
+
+
+def test_qk_rows_are_unpermuted_and_written_back(tmp_path):
+    """write_gguf applies llama.cpp's q/k permutation; read_gguf undoes it: the rows come back in place."""
+    cfg = tiny_config()
+    gen = torch.Generator().manual_seed(3)
+    weights = {"model.layers.0.self_attn.q_proj.weight": torch.randn(64, 64, generator=gen),
+               "model.layers.0.self_attn.k_proj.weight": torch.randn(32, 64, generator=gen),
+               "model.layers.0.input_layernorm.weight": torch.rand(64, generator=gen)}
+    write_gguf(tmp_path / "m.gguf", weights, cfg, "Q8_0")
+    back = read_gguf(tmp_path / "m.gguf", cfg)
+    for name, w in weights.items():
+        got = back[name]
+        if isinstance(got, BlockWeight):
+            ref = torch.from_numpy(dequantize(quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0),
+                                              gguf.GGMLQuantizationType.Q8_0).copy())
+            assert torch.equal(got.dequantize(), ref), name
+        else:
+            assert torch.equal(got, w), name
+    raw = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors}
+    stored = torch.from_numpy(dequantize(raw["blk.0.attn_q.weight"].data, gguf.GGMLQuantizationType.Q8_0).copy())
+    assert not torch.equal(stored, back["model.layers.0.self_attn.q_proj.weight"].dequantize())  # permuted there
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 65, 2048])
+def test_product_within_its_stated_bound(tmp_path, kind, rows):
+    """The int4 kernel's product (x rounded to bfloat16, scales and zeros to bfloat16, the sum to
+    bfloat16) against the exact product with the dequantized weights: within ErrorBound everywhere,
+    and not trivially (the bound is within 64x of the worst error seen)."""
+    w, _ = one_weight_file(tmp_path / "w.gguf", kind, 40, 96, seed=rows)
+    block = read_gguf(tmp_path / "w.gguf", tiny_config())["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(block, BlockWeight)
+    q = quantized_linear.from_blocks(block)
+    ref = block.dequantize()
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(7)) * 3
+    y = quantized_linear.linear(x, q)
+    assert y.shape == (rows, 40) and y.dtype == torch.float32
+    exact = x.double() @ ref.double().T
+    bound = quantized_linear.error_bound(q, block, ref)
+    limit = x.double().norm(dim=1)[:, None] * bound.columns[None] + bound.flushed * (1 + float(x.abs().max()))
+    err = (y.double() - exact).abs()
+    assert (err <= limit).all()
+    assert float((limit / err.clamp_min(1e-30)).min()) < 64
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_int8_per_channel_within_its_stated_bound(rows):
+    w = torch.randn(72, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 72)[:, None]
+    q = quantized_linear.int8_per_channel(w)
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(4))
+    bias = torch.randn(72)
+    err = (quantized_linear.linear(x, q, bias).double() - (x.double() @ w.double().T + bias.double())).abs()
+    bound = quantized_linear.error_bound(q, None, w)
+    limit = x.double().norm(dim=1)[:, None] * bound.columns[None] + bound.flushed * (1 + float(x.abs().max()))
+    assert (err <= limit + 1e-6 * bias.abs().double()).all()  # the bias is added in float32
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_quantized_screen_gives_the_full_heads_top(tmp_path, kind):
+    """The head's screen on its blocks: every row's argmax and exact top-k are the float32 head's, on
+    columns the quantized products cannot order (near-ties)."""
+    gemm = skinny_kernel()
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(96, generator=gen)
+    w = torch.randn(4000, 96, generator=gen) * 0.3
+    w[:48] = base + torch.randn(48, 96, generator=gen) * 1e-3
+    blocks = quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+    block = decode_blocks("head", kind, blocks.reshape(4000, -1), 4000, 96)
+    weight = block.dequantize().contiguous()
+    head = ScreenedHead(weight, gemm)
+    head.add_quantized(quantized_linear.from_blocks(block), block)
+    x = base + torch.randn(5, 96, generator=gen) * 0.05
+    assert head.uses_quantized(x)
+    full = gemm(x, skinny_gemm.pack(weight), 4000, None)
+    got = head.top(x, 7)
+    assert got is not None
+    assert torch.equal(got.argmax, full.argmax(dim=1))
+    assert torch.equal(got.values, full.topk(7, dim=1).values)
+    scale, columns, offset = head.bounds(x)
+    approx = head.approx(x)
+    assert ((approx.double() - full.double()).abs() <= scale[:, None] * columns[None] + offset).all()
+
+
+# ---- engines ------------------------------------------------------------------------------------
+
+def gguf_folder(src: Path, dst: Path, linear_kind: str, embedding_kind: str = "Q8_0") -> Path:
+    """A copy of model folder `src` stored as prepare stores the student: GGUF_FILE with the given
+    blocks, model.safetensors their dequantized values."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    cfg = ModelConfig.from_folder(src)
+    dst.mkdir(parents=True)
+    state = model.state_dict()
+    write_gguf(dst / GGUF_FILE, state, cfg, linear_kind, embedding_kind)
+    with torch.no_grad():
+        for name, w in read_gguf(dst / GGUF_FILE, cfg).items():
+            state[name].copy_(w.dequantize() if isinstance(w, BlockWeight) else w)
+    model.save_pretrained(str(dst))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "generation", "special", "chat")):
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def engine(path: Path, **kw) -> Engine:
+    return Engine(EngineConfig(model_path=str(path), kv_cache_tokens=2048, page_size=4, device="cpu",
+                               max_running_requests=16, **kw), outputs=StepOutputSpec(logits=True))
+
+
+def logits_of(eng: Engine, prompts: list[list[int]], tokens: int) -> list[tuple[list[int], torch.Tensor]]:
+    """Each request's output tokens and logits rows, greedy, EOS ignored."""
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)) for p in prompts]
+    rows: dict[str, list[torch.Tensor]] = {r.rid: [] for r in reqs}
+    while eng.has_unfinished():
+        out = eng.step().step
+        if out is not None and out.logits is not None:
+            for r, row in zip(out.reqs, out.logits):
+                rows[r.rid].append(row.clone())
+    eng.check_integrity()
+    return [(r.output_ids, torch.stack(rows[r.rid])) for r in reqs]
+
+
+def close_until_they_part(a: list[tuple[list[int], torch.Tensor]], b: list[tuple[list[int], torch.Tensor]]) -> int:
+    """Assert each request's logits rows are within 5% of the largest logit while both paths wrote the
+    same tokens (a near-tie may part them after); returns the rows compared."""
+    compared = 0
+    for (ta, la), (tb, lb) in zip(a, b):
+        same = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        for i in range(min(same + 1, len(ta))):  # row i wrote token i, reading the same tokens before it
+            assert (la[i] - lb[i]).abs().max() < 0.05 * lb[i].abs().max()
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monkeypatch):
+    """Under auto the folder's blocks serve decode steps (every linear layer on the int4 kernel) and a
+    prompt of more rows than MAX_ROWS takes the float weights; the logits stay within the products'
+    rounding of the float path's (none), and the engine says what it serves."""
+    need_compiler()
+    folder = gguf_folder(model_paths["llama"], tmp_path / "m", kind)
+    quant, plain = engine(folder), engine(folder, quantization="none")
+    assert quant.quantization == f"gguf ({', '.join(sorted({kind, 'Q8_0'}))})"  # the embedding is Q8_0
+    assert plain.quantization == "none"
+    calls: list[int] = []
+    real = quantized_linear.linear
+    monkeypatch.setattr(quantized_linear, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    prompts = prompts_of([20, 5, 3], seed=1)
+    a, b = logits_of(quant, prompts, 6), logits_of(plain, prompts, 6)
+    assert calls and max(calls) <= quantized_linear.MAX_ROWS
+    layers = quant.model.config.num_layers
+    assert len(calls) % (4 * layers) == 0  # whole steps: qkv, o, gate_up, down of every layer
+    assert close_until_they_part(a, b) >= 6
+
+
+def test_int8_serves_a_float_folder(model_paths):
+    need_compiler()
+    eng = engine(model_paths["llama"], quantization="int8")
+    assert eng.quantization.startswith("int8")
+    assert all(m.quantized is not None and m.quantized.group == 0
+               for name, m in eng.model.named_modules() if name.endswith(("qkv_proj", "down_proj")))
+    assert engine(model_paths["llama"]).quantization == "none"  # auto: a folder without blocks stays float
+    prompts = prompts_of([7, 4], seed=2)
+    assert close_until_they_part(logits_of(eng, prompts, 5), logits_of(engine(model_paths["llama"]), prompts, 5)) >= 4
+
+
+def test_quantization_field_is_validated():
+    with pytest.raises(ValueError, match="quantization must be one of auto, none, int8"):
+        EngineConfig(model_path="x", quantization="q4")
+    with pytest.raises(ValueError, match="quantization int8 runs on packed linears"):
+        EngineConfig(model_path="x", quantization="int8", linear_backend="aten")
+
+
+def test_a_folder_whose_copies_disagree_is_refused(model_paths, tmp_path):
+    folder = gguf_folder(model_paths["llama"], tmp_path / "m", "Q4_1")
+    raw = (folder / GGUF_FILE).read_bytes()
+    (folder / GGUF_FILE).unlink()
+    write_gguf(folder / GGUF_FILE, {"model.layers.0.mlp.down_proj.weight": torch.ones(64, 128)},
+               ModelConfig.from_folder(folder), "Q4_0")
+    with pytest.raises(ModelLoadError, match="model.layers.0.mlp.down_proj.weight.*differs from the folder's float"):
+        engine(folder)
+    (folder / GGUF_FILE).write_bytes(raw)
+    assert engine(folder).quantization.startswith("gguf")
+    assert engine(folder, quantization="none").quantization == "none"
+
+
+def test_a_damaged_scale_or_a_short_tensor_is_refused(tmp_path):
+    cfg = tiny_config()
+    path = tmp_path / "w.gguf"
+    one_weight_file(path, "Q4_1", 16, 64, seed=4)
+    data = bytearray(path.read_bytes())
+    reader = gguf.GGUFReader(str(path))
+    start = int(reader.tensors[0].data_offset)
+    data[start + 20 * 5: start + 20 * 5 + 2] = np.array([np.nan], dtype=np.float16).tobytes()  # block 5's d
+    (tmp_path / "nan.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match=r"'blk.0.ffn_down.weight': the scale of block 1 in row 2 is nan"):
+        read_gguf(tmp_path / "nan.gguf", cfg)
+    (tmp_path / "short.gguf").write_bytes(path.read_bytes()[:-50])
+    with pytest.raises(ModelLoadError, match="short.gguf: not a readable GGUF file|blk.0.ffn_down.weight.*truncated"):
+        read_gguf(tmp_path / "short.gguf", cfg)
+
+
+def test_a_block_type_no_kernel_takes_is_dequantized(tmp_path, caplog):
+    path = tmp_path / "w.gguf"
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(9))
+    writer = gguf.GGUFWriter(str(path), "llama")
+    blocks = quantize(w.numpy(), gguf.GGMLQuantizationType.Q5_0)
+    writer.add_tensor("blk.0.ffn_up.weight", blocks, raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with caplog.at_level(logging.INFO, logger="tokenrouter.models.gguf_weights"):
+        got = read_gguf(path, tiny_config())["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(got, torch.Tensor)
+    assert torch.equal(got, torch.from_numpy(dequantize(blocks, gguf.GGMLQuantizationType.Q5_0).copy()))
+    assert "tensor blk.0.ffn_up.weight is Q5_0, which no kernel here takes as stored" in caplog.text

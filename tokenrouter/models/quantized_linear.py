@@ -1,0 +1,161 @@
+"""Weight-only quantized products on torch's CPU kernels: GGUF blocks served as the file stores them
+(group-32 int4, `torch.ops.aten._weight_int4pack_mm_for_cpu`), or a float weight as int8 per output
+channel (`_weight_int8pack_mm`, the `--quantization int8` option for Hugging Face folders).
+
+Both kernels are fast only on bfloat16 activations (AVX512-BF16 / AMX; on float32 ones torch runs a
+reference loop 30x slower), so x is rounded to bfloat16 on the way in and the bfloat16 product
+widened on the way out. The int4 kernel dequantizes each weight as (c - 8) s + z with a bfloat16
+scale s and zero z per group of 32 along the row:
+- Q4_0 (w = d (q - 8)): c = q, s = d, z = 0.
+- Q4_1 (w = d q + m): c = q, s = d, z = m + 8 d.
+- Q8_0 (w = d q, q int8): q = 16 h + l with h = q >> 4 in [-8, 7] and l = q & 15, so w = 16 d h + d l,
+  two nibble planes laid side by side along the row, [h + 8 | l], with (s, z) = (16 d, 0) on the first
+  and (d, 8 d) on the second, against x repeated twice: one product, summed in float32 inside.
+The weights differ from the file's only by the rounding of d and m to bfloat16 (2^-9 relative).
+`error_bound` bounds a product's error rigorously (the screened head's screen rests on it).
+
+The kernel needs the output features in multiples of 16: padded with zero codes and scales, cut off.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from tokenrouter.models.gguf_weights import BLOCK, BlockWeight
+
+_PAD = 16
+# Inputs of up to this many rows take the quantized kernel, larger ones the float weights: the int4
+# kernel's cost grows with the rows (it reads the weight once a row) where the float products reuse
+# each weight across rows (benchmarks/quantized_linear_costs.py measured the crossover).
+MAX_ROWS = 8
+
+
+class QuantizedLinear(NamedTuple):
+    """A weight [out_features, in_features] for one of the two kernels (`group` 32: int4 against x
+    repeated `repeat` times; `group` 0: int8 per channel, `scales` [n] bfloat16)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    group: int
+    repeat: int
+    out_features: int
+    in_features: int
+
+
+class _Planes(NamedTuple):
+    """The int4 kernel's view of some blocks: codes [n, k * repeat] (0..15) and, per group of 32 along
+    the row, float32 scale and zero [n, k * repeat / 32] (before their rounding to bfloat16)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    repeat: int
+
+
+def _planes(w: BlockWeight) -> _Planes:
+    d = w.scales
+    if w.kind == "Q4_0":
+        return _Planes(w.codes, d, torch.zeros_like(d), 1)
+    if w.kind == "Q4_1":
+        assert w.mins is not None
+        return _Planes(w.codes, d, w.mins + 8 * d, 1)
+    if w.kind == "Q8_0":
+        q = w.codes.to(torch.int16)
+        planes = torch.cat([(q >> 4) + 8, q & 15], dim=1)
+        return _Planes(planes, torch.cat([16 * d, d], dim=1), torch.cat([torch.zeros_like(d), 8 * d], dim=1), 2)
+    raise ValueError(f"no int4 layout for {w.kind} blocks")
+
+
+def from_blocks(w: BlockWeight) -> QuantizedLinear:
+    """The GGUF blocks of one weight for the int4 kernel (see the module's docstring)."""
+    p = _planes(w)
+    n, width = p.codes.shape
+    padded = -(-n // _PAD) * _PAD
+    c = torch.zeros(padded, width, dtype=torch.int32)
+    c[:n] = p.codes.to(torch.int32)
+    sz = torch.zeros(width // BLOCK, padded, 2, dtype=torch.bfloat16)
+    sz[:, :n, 0] = p.scale.t().to(torch.bfloat16)
+    sz[:, :n, 1] = p.zero.t().to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(c, 1)
+    return QuantizedLinear(packed, sz, BLOCK, p.repeat, n, width // p.repeat)
+
+
+def int8_per_channel(weight: torch.Tensor) -> QuantizedLinear:
+    """A float weight [n, k] as int8 codes with one bfloat16 scale per output channel (symmetric,
+    round to nearest: |w - s q| <= s / 2 plus the scale's rounding)."""
+    w = weight.detach().float()
+    s = (w.abs().amax(dim=1) / 127).to(torch.bfloat16)
+    safe = torch.where(s == 0, torch.ones_like(s), s).float()
+    q = torch.clamp(torch.round(w / safe[:, None]), -127, 127).to(torch.int8).contiguous()
+    return QuantizedLinear(q, s, 0, 1, w.shape[0], w.shape[1])
+
+
+def linear(x: torch.Tensor, w: QuantizedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [rows, in_features] times the quantized weight (plus bias), in x's dtype."""
+    xb = x.to(torch.bfloat16)
+    if w.group == 0:
+        y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), w.packed, w.scales)
+    else:
+        if w.repeat > 1:
+            xb = xb.repeat(1, w.repeat)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group, w.scales)
+        if y.shape[1] != w.out_features:
+            y = y[:, :w.out_features]
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias
+
+
+_UB, _U = 2.0 ** -8, 2.0 ** -24  # unit roundoffs of bfloat16 and float32
+
+
+class ErrorBound(NamedTuple):
+    """|linear(x, w)[r, j] - x_r . reference_j| <= ||x_r|| columns[j] + flushed (1 + max_i |x_ri|), the
+    product on the right exact (real arithmetic) and `reference` the float32 weights [n, k].
+
+    The derivation, per column j, with K' = K r the kernel's row (r = 1, or 2 for Q8_0's two nibble
+    planes against x repeated) and ||x'|| = sqrt(r) ||x||: the kernel rounds x to bfloat16 (u_b), may
+    round each dequantized weight to bfloat16 or compute it in float32 (R_j = (u_b + 2u) M_j covers
+    both, M_j the norm of |c - 8| |s| + |z|, which bounds what it multiplies element by element),
+    sums in float32 in any grouping (g' for K' + 2 terms) and rounds the sum to bfloat16 (u_b); the
+    weights it represents differ from the reference by D_j in norm (scales rounded to bfloat16):
+        columns[j] = sqrt(r) ((u_b (1 + g') (1 + u_b) + g' (1 + u_b) + u_b) (M_j + R_j) + R_j) + D_j,
+    taken 1e-6 larger; `flushed` covers the subnormal inputs, products and sums the kernels may flush
+    to zero (each term off by under 3 * 2^-126 (1 + |x_i|)(1 + |w_i|)), over K' terms."""
+
+    columns: torch.Tensor  # float64 [n]
+    flushed: float
+
+
+def error_bound(w: QuantizedLinear, source: BlockWeight | None, reference: torch.Tensor,
+                chunk: int = 4096) -> ErrorBound:
+    """The bound (ErrorBound) for `w`, made from `source` blocks or, with None, by int8_per_channel,
+    against the float32 `reference` [n, k]; `chunk` rows at a time, bounding the float64 temporaries."""
+    n, k = w.out_features, w.in_features
+    magnitude, offset = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+    largest = 0.0
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        if source is None:
+            values = w.packed[a:b].double() * w.scales[a:b].double()[:, None]
+            mag = values.abs()
+        else:
+            p = _planes(source.rows(slice(a, b)))
+            s = p.scale.to(torch.bfloat16).double().repeat_interleave(BLOCK, dim=1)
+            z = p.zero.to(torch.bfloat16).double().repeat_interleave(BLOCK, dim=1)
+            centred = p.codes.double() - 8
+            mag = centred.abs() * s.abs() + z.abs()
+            values = centred * s + z
+            if p.repeat > 1:
+                values = values.view(b - a, p.repeat, k).sum(dim=1)
+        magnitude[a:b] = torch.linalg.vector_norm(mag, dim=1)
+        largest = max(largest, float(mag.max()))
+        offset[a:b] = torch.linalg.vector_norm(values - reference[a:b].double(), dim=1)
+    terms = k * w.repeat
+    g = (terms + 2) * _U / (1 - (terms + 2) * _U)
+    rounding = (_UB + 2 * _U) * magnitude
+    c = _UB * (1 + g) * (1 + _UB) + g * (1 + _UB) + _UB
+    columns = (math.sqrt(w.repeat) * (c * (magnitude + rounding) + rounding) + offset) * (1 + 1e-6)
+    return ErrorBound(columns, 3 * terms * 2.0 ** -126 * (1 + largest * (1 + _UB)))
