@@ -51,6 +51,9 @@ def with_model(i: int, **fields) -> dict:
     (pair(ray={"address": 6379}), r"ray\.address must be 'auto' or HOST:PORT, got 6379"),
     (pair(ray="auto"), r"ray must be a mapping of its fields"),
     (pair(lauch={"policy": "eager"}), r"unknown field\(s\) lauch"),
+    (pair(launch={"share_cores": "yes"}), r"launch\.share_cores must be true or false, got 'yes'"),
+    (pair(models=[{"name": "small", "path": "/x", "quantization": "q4"}, {"name": "large", "path": "/y"}]),
+     r"quantization must be one of auto, none, int8"),
 ])
 def test_a_bad_field_is_named(config, message):
     with pytest.raises(ValueError, match=message):
@@ -61,7 +64,7 @@ def test_sections_are_typed_and_the_yaml_shape_round_trips():
     cfg = GroupConfig.from_dict({
         "models": [{"name": "small", "path": "/x", "threads": 2, "cores": [0], "page_size": 4},
                    {"name": "large", "path": "/y", "kv_cache_tokens": 96, "tp_size": 2}],
-        "seed": 7, "launch": {"policy": "threshold", "thresholds": {"large": {4: 2, 8: 3}}},
+        "seed": 7, "launch": {"policy": "threshold", "thresholds": {"large": {4: 2, 8: 3}}, "share_cores": False},
         "executor": {"mode": "latency", "profile": PROFILE}, "ray": {"namespace": "tr"}})
     small, large = cfg.models
     # The flat per-model fields are the model's EngineConfig; model i seeds from the group's seed + i.
@@ -69,6 +72,7 @@ def test_sections_are_typed_and_the_yaml_shape_round_trips():
     assert (large.engine.kv_cache_tokens, large.engine.tp_size, large.engine.device) == (96, 2, "cpu")
     assert (small.engine.seed, large.engine.seed) == (7, 8)
     assert isinstance(cfg.launch, LaunchConfig) and cfg.launch.thresholds["large"](8) == 3
+    assert not cfg.launch.share_cores and GroupConfig.from_dict({"models": [{"name": "m", "path": "/x"}]}).launch.share_cores
     assert isinstance(cfg.executor, ExecutorConfig) and isinstance(cfg.executor.profile, LatencyProfile)
     assert cfg.ray == RayConfig(address="auto", namespace="tr")
     d = cfg.to_dict()

@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from tokenrouter import SamplingParams
-from tokenrouter.engine.latency_model import InterferenceClock, LatencyProfile, StepLatency, create_flags
+from tokenrouter.engine.latency_model import InterferenceClock, LatencyProfile, StepLatency
+from tokenrouter.engine.step_board import StepBoard, create_board
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.runtime.group_config import GroupConfig
 
@@ -34,10 +35,10 @@ def test_profile_validation():
 
 
 def test_interference_stops_progress_while_a_peer_runs():
-    shm = create_flags()
+    shm = create_board()
     try:
-        clock = InterferenceClock(0, {1: 1.0}, shm.name)
-        peer = InterferenceClock(1, {}, shm.name)
+        board, peer = StepBoard(shm.name, 0), StepBoard(shm.name, 1)
+        clock = InterferenceClock(0, {1: 1.0}, board)
         peer.flags[1] = 1.0  # the peer is in the middle of a step
         t = threading.Thread(target=clock.work, args=(0.005,))
         t.start()
@@ -46,8 +47,8 @@ def test_interference_stops_progress_while_a_peer_runs():
         peer.flags[1] = 0.0
         t.join(5.0)
         assert not t.is_alive()
-        assert clock.flags[0] == 0.0  # its own flag is cleared after the step
-        clock.close()
+        assert board.flags[0] == 0.0  # its own flag is cleared after the step
+        board.close()
         peer.close()
     finally:
         shm.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -35,7 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-radix-cache", "--no-enable-prefix-caching", dest="disable_radix_cache",
                    action="store_true")
     g.add_argument("--attention-backend", default="torch", choices=["torch", "torch-reference"])
-    g.add_argument("--num-threads", type=int, default=1, help="torch threads on CPU (default 1)")
+    g.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads on CPU (default 1; the server's subservers take every core for steps of "
+                   "few rows while no other model steps: launch.share_cores, --no-share-cores)")
+    g.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8"],
+                   help="weight-only quantized products for steps of few rows on CPU: auto serves a folder's "
+                   "GGUF blocks (model.gguf) as stored, none the float weights, int8 quantizes them per channel")
     g.add_argument("--tp-size", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="tensor-parallel ranks (worker processes; gloo on CPU, NCCL on CUDA)")
     g.add_argument("--disable-cuda-graph", "--enforce-eager", dest="disable_cuda_graph", action="store_true",
@@ -71,6 +77,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         kv_cache_tokens=args.kv_cache_tokens, mem_fraction=args.mem_fraction, max_model_len=args.max_model_len,
         enable_prefix_cache=not args.disable_radix_cache, attention_backend=args.attention_backend,
         seed=args.seed, num_threads=args.num_threads, tp_size=args.tp_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        quantization=args.quantization,
         # Unset, the EngineConfig default stands (TOKENROUTER_DISABLE_CUDA_GRAPH may set it).
         **({} if args.disable_cuda_graph is None else {"disable_cuda_graph": True}),
     )
@@ -242,6 +249,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     group, name = group_from_args(args)
+    if args.no_share_cores:
+        group = dataclasses.replace(group, launch=dataclasses.replace(group.launch, share_cores=False))  # type: ignore[attr-defined]
     limits = RequestLimits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars, args.max_stop_token_ids)
     server_cfg = ServerConfig(name, args.api_key, args.max_body_bytes, args.request_timeout,  # type: ignore[arg-type]
                               limits, args.tokenizer_threads, args.chat_special_tokens, ui=not args.no_ui)
@@ -390,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "tokenises it as plain text; 'allow' lets it become the control token (as vLLM does)")
     sv.add_argument("--no-ui", action="store_true",
                     help="do not serve the routing page at / (each token coloured by the model that wrote it)")
+    sv.add_argument("--no-share-cores", action="store_true",
+                    help="keep each model on its --num-threads / `threads` (launch.share_cores: false); by default "
+                    "a CPU subserver runs a step of few rows on every core while no other model steps")
     sv.set_defaults(func=cmd_serve)
 
     pf = sub.add_parser("profile", help="measure a model's step latency into a latency profile (JSON)")

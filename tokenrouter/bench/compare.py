@@ -7,7 +7,10 @@ bernoulli routing, at tokenrouter's measured large-model share for router algori
 `step-sync` (the research codes' execution: static batches, a global barrier; run in-process on our
 engines, so it pays no HTTP cost, which favours it), and `vllm` (vLLM's OpenAI server serving the
 large model, from the virtualenv of --vllm-venv: vLLM is never a project dependency; one thread,
-float32, its default compiled model; the same client, prompts and caps).
+float32, its default compiled model; the same client, prompts and caps), and `llama.cpp` (llama.cpp's
+`llama-server` serving the large model folder's GGUF file, model.gguf, as it stores it, with
+LLAMA_CPP_THREADS threads and a slot per concurrent request; built once from the registry's
+llama-cpp-python sdist into the cache: bench/llama_cpp.py).
 
 A group on the latency-model executor (`executor: {mode: latency, profile: ...}`) puts every system on
 it: each model alone, the standard stack's plain servers and step-sync's engines wait the profile's
@@ -37,7 +40,9 @@ from tokenrouter.bench.server_process import ManagedProcess, ServerProcess, free
 from tokenrouter.bench.workloads import WORKLOADS, build_prompts, output_lengths
 from tokenrouter.runtime.group_config import GroupConfig
 
-SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync", "vllm")
+SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync", "vllm", "llama.cpp")
+# llama.cpp's server on the CPU's cores (its own thread pool), one slot per concurrent request.
+LLAMA_CPP_THREADS = 2
 # vLLM's CPU build on one core (one OpenMP thread) with 2 GiB of KV, as benchmarks/bench_vllm.py runs it.
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "2", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -172,6 +177,9 @@ def compare(config: str, systems: list[str], workload: str, scale: str, concurre
             elif system == "vllm":
                 for summary in _vllm(group, vllm_venv or "", tmp, prompts, caps, concurrencies, num_requests, seed):
                     record(system, summary)
+            elif system == "llama.cpp":
+                for summary in _llama_cpp(group, tmp, prompts, caps, concurrencies, num_requests, seed):
+                    record(system, summary)
             elif system == "standard":
                 for summary in _standard(group, rows, tmp, prompts, caps, concurrencies, num_requests, seed):
                     record(system, summary)
@@ -240,6 +248,32 @@ def _vllm(group: GroupConfig, venv: str, tmp: str, prompts: list[Any], caps: lis
         processes = {"vllm": srv.proc.pid, **{f"vllm process {i}": pid
                                               for i, pid in enumerate(sorted(srv.pids - {srv.proc.pid}))}}
         return [_http_run(srv.url, "vllm", prompts, caps, c, num_requests, seed, processes) for c in concurrencies]
+    finally:
+        srv.stop()
+
+
+def _llama_cpp(group: GroupConfig, tmp: str, prompts: list[Any], caps: list[int], concurrencies: list[int],
+               num_requests: int, seed: int) -> list[dict[str, Any]]:
+    """llama.cpp's server on the large model's GGUF file, through the same client as the others."""
+    from tokenrouter.bench.llama_cpp import llama_server, server_env
+    from tokenrouter.models.gguf_weights import GGUF_FILE
+
+    if _on_latency_executor(group):
+        raise ValueError("system 'llama.cpp' runs the real large model; the group is on the latency-model executor")
+    gguf = Path(group.models[1].engine.model_path) / GGUF_FILE
+    if not gguf.is_file():
+        raise ValueError(f"system 'llama.cpp' serves the large model's GGUF file, and {gguf} is missing")
+    binary = llama_server()
+    port = free_port()
+    slots = max(concurrencies)
+    # Context per slot: the prompts plus the longest answer, with room (llama-server splits -c over slots).
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(LLAMA_CPP_THREADS),
+           "-np", str(slots), "-c", str(slots * 1024), "--seed", str(seed), "--alias", "llama.cpp", "--no-webui"]
+    srv = ManagedProcess("llama.cpp", cmd, port, Path(tmp), env=server_env(binary))
+    try:
+        srv.wait_healthy(300)
+        return [_http_run(srv.url, "llama.cpp", prompts, caps, c, num_requests, seed, {"llama.cpp": srv.proc.pid})
+                for c in concurrencies]
     finally:
         srv.stop()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -24,6 +25,7 @@ from tokenrouter.engine.radix_cache import RadixCache
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.request_validation import validate_prompt
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
+from tokenrouter.engine.step_board import CoreShare
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.stop_strings import output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -58,7 +60,7 @@ def _on_every_rank(tp: TensorParallel | None, stage: str, make: Callable[[], T])
 class EngineStats:
     steps: int = 0
     extended_tokens: int = 0  # tokens run through the model
-    sampled_tokens: int = 0
+    sampled_tokens: int = 0  # samples handed to the caller: a step's rows, and look-ahead rows when answered
     finished: int = 0
     look_aheads: int = 0  # rows run ahead for a request at a peer (Engine.hand_off)
     look_ahead_hits: int = 0  # of those, the ones taken when the request came back
@@ -66,7 +68,8 @@ class EngineStats:
 
 class StepFailed(RuntimeError):
     """A step failed on some of its requests. Those are finished (reason "error", pages freed); the
-    rest of the batch keeps its place and runs again at the next step (uncommitted KV is rewritten)."""
+    rest of the batch keeps its place and runs again at the next step (uncommitted KV is rewritten).
+    None are, when the step's look-ahead rows, given up, may have been what broke it."""
 
     def __init__(self, failed: list[Req], cause: BaseException) -> None:
         super().__init__(f"the step failed on {len(failed)} request(s): {type(cause).__name__}: {cause}")
@@ -88,12 +91,15 @@ class Engine:
 
     def __init__(self, cfg: EngineConfig, launch: LaunchPolicy | None = None,
                  outputs: StepOutputSpec = StepOutputSpec(), latency_runner: LatencyModelRunner | None = None,
-                 trace_index: int | None = None) -> None:
+                 trace_index: int | None = None, cores: CoreShare | None = None) -> None:
         """`latency_runner` replaces the model (the latency-model executor): no weights are loaded and
         the KV pool only keeps page accounting. `trace_index`: the model's index in its group; with
         TOKENROUTER_STEP_TRACE set, each step is then traced as the latency executor traces its own
-        (engine/step_trace.py), so a group of real models gives the same per-step trace."""
+        (engine/step_trace.py), so a group of real models gives the same per-step trace. `cores`:
+        sizes each step's torch threads (step_board.py; the subserver's, on a shared CPU host);
+        without it steps run on cfg.num_threads."""
         self.cfg = cfg
+        self.cores = cores
         # the latency executor writes its own step lines (inside its sleep), real models are traced here
         self.trace_index = trace_index
         self.trace = StepTraceWriter(None) if trace_index is None or latency_runner is not None \
@@ -300,6 +306,7 @@ class Engine:
             self.scheduler.resume(req)
         if ahead is not None and unchanged and req.extend_len == 0:
             self.stats.look_ahead_hits += 1
+            self.stats.sampled_tokens += 1
             return ahead
         if req.extend_len == 0:
             # Nothing new to feed: recompute the last token, whose logits the next sample needs.
@@ -367,27 +374,32 @@ class Engine:
         return out.rows(keep)
 
     def _run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None) -> StepOutput:
-        if overlap is None:
-            return self.runner.run(reqs, extend_lens)
-        return self.runner.run(reqs, extend_lens, overlap)
+        with self.cores.step(sum(extend_lens)) if self.cores is not None else contextlib.nullcontext():
+            if overlap is None:
+                return self.runner.run(reqs, extend_lens)
+            return self.runner.run(reqs, extend_lens, overlap)
 
     def _contain(self, reqs: list[Req], extend_lens: list[int], cause: Exception) -> StepFailed:
         """Find the requests a failed step failed on by running each alone, and finish them with an
-        error; when none fails alone (the batch as a whole did), all of them. A look-ahead row is
-        never blamed: its request lives at a peer, so it only gives the row up (PENDING), and its
-        next visit runs the row as an ordinary one, contained as any."""
+        error; when none fails alone and the batch was only theirs (it failed as a whole), all of
+        them. A look-ahead row is never blamed: its request lives at a peer, so it only gives the row
+        up (PENDING), and its next visit runs the row as an ordinary one, contained as any. So a batch
+        that held look-ahead rows blames only what fails alone, even a single request: the row may be
+        what broke it."""
         own = [(r, n) for r, n in zip(reqs, extend_lens) if not r.look_ahead]
+        had_rows = len(own) < len(reqs)
         for req in reqs:
             if req.look_ahead:
                 self.scheduler.end_look_ahead(req)
         failed = []
-        if len(own) > 1:
+        if had_rows or len(own) > 1:  # a lone request without rows already ran alone
             for req, n in own:
                 try:
                     self.runner.run([req], [n])
                 except Exception:  # noqa: BLE001 - this request is one the step fails on
                     failed.append(req)
-        failed = failed or [r for r, _ in own]
+        if not failed and not had_rows:
+            failed = [r for r, _ in own]
         for req in failed:
             self._finish(req, "error")
         return StepFailed(failed, cause)
@@ -519,4 +531,5 @@ class Engine:
             "page_size": self.pool.page_size,
             "max_model_len": self.max_model_len,
             "tp_size": self.tp_size,
+            "quantization": self.quantization,
         }

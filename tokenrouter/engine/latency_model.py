@@ -5,28 +5,28 @@ latency a profile gives (a function of batch size and tokens in the step), and r
 per (request seed, position). Everything else is real: scheduler, KV pages, prefix cache, transport,
 routing. It measures scheduling at paper scale on a CPU, and lets CI exercise the runtime cheaply.
 
-Co-located models slow each other. Each model's slot in a small shared-memory array says whether it
-is running a step; while a peer runs, a model progresses at rate 1 - alpha (alpha from the profile's
-`interference`: 0 = separate devices, 1 = serialised on one device).
+Co-located models slow each other. Each model's slot on the group's step board (step_board.py) says
+whether it is running a step; while a peer runs, a model progresses at rate 1 - alpha (alpha from the
+profile's `interference`: 0 = separate devices, 1 = serialised on one device).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from tokenrouter.engine.draws import uniform
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
+from tokenrouter.engine.step_board import StepBoard
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.models.config import ModelConfig
 
@@ -104,24 +104,23 @@ class LatencyProfile:
 
 
 class InterferenceClock:
-    """Makes a step last `seconds` of progress, slowed while interfering peers run their own steps."""
+    """Makes a step last `seconds` of progress, slowed while interfering peers run their own steps
+    (their slots on the group's step board, step_board.py)."""
 
-    def __init__(self, me: int, alphas: dict[int, float], shm_name: str | None) -> None:
-        self.me = me
+    def __init__(self, me: int, alphas: dict[int, float], board: StepBoard | None) -> None:
+        self.me = me  # the model's index in its group
         self.alphas = {i: a for i, a in alphas.items() if a > 0}
-        self._shm = shared_memory.SharedMemory(name=shm_name) if shm_name else None
-        self.flags = np.ndarray((64,), dtype=np.float64, buffer=self._shm.buf) if self._shm else None
+        self.board = board
 
     def work(self, seconds: float, during: Callable[[], None] | None = None) -> None:
         """`during` runs first, inside the step (as the host's work runs while a device computes);
         its time counts as progress, and the step lasts longer only if it outlasts `seconds`."""
-        flags = self.flags
-        if flags is not None:
-            flags[self.me] = 1.0
-        try:
+        board = self.board
+        with board.running() if board is not None else contextlib.nullcontext():
             last = time.perf_counter()
             if during is not None:
                 during()
+            flags = board.flags if board is not None else None
             if flags is None or not self.alphas:
                 _sleep(seconds - (time.perf_counter() - last))
                 return
@@ -135,14 +134,6 @@ class InterferenceClock:
                         rate -= alpha
                 done += (now - last) * max(rate, 0.0)
                 last = now
-        finally:
-            if flags is not None:
-                flags[self.me] = 0.0
-
-    def close(self) -> None:
-        if self._shm is not None:
-            self.flags = None
-            self._shm.close()
 
 
 def _sleep(seconds: float) -> None:
@@ -152,13 +143,6 @@ def _sleep(seconds: float) -> None:
         time.sleep(seconds - 0.001)
     while time.perf_counter() < end:
         pass
-
-
-def create_flags() -> shared_memory.SharedMemory:
-    """The shared running-flags array of a group (created by the entry, one slot per model)."""
-    shm = shared_memory.SharedMemory(create=True, size=64 * 8)
-    np.ndarray((64,), dtype=np.float64, buffer=shm.buf)[:] = 0.0
-    return shm
 
 
 class LatencyModelRunner:

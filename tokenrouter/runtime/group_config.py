@@ -78,12 +78,18 @@ class LaunchConfig:
     n_max: int | None = None  # planner: plan B(n) up to this n (default: min(64, small's max_running_requests))
     profile: LatencyProfile | None = None  # planner: step latencies (default: the latency executor's, else measured)
     # A model that hands a request back with its own token runs that token in its next step, for the
-    # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off).
+    # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off). Off under
+    # the planner, which does not model it.
     look_ahead: bool = True
+    # On CPU, a subserver spawned here (not pinned to cores, one rank) runs a step of few rows on every
+    # core of the host while no other model of the group is stepping, on one otherwise
+    # (engine/step_board.py CoreShare); false keeps each model on its `threads`.
+    share_cores: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.look_ahead, bool):
-            raise ValueError(f"launch.look_ahead must be true or false, got {self.look_ahead!r}")
+        for name in ("look_ahead", "share_cores"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"launch.{name} must be true or false, got {getattr(self, name)!r}")
         if self.policy not in LAUNCH_POLICIES:
             raise ValueError(f"launch.policy must be one of {', '.join(LAUNCH_POLICIES)}, got {self.policy!r}")
         if self.thresholds and self.policy != "threshold":
@@ -94,6 +100,11 @@ class LaunchConfig:
             raise ValueError(f"launch.p must be in (0, 1], got {self.p}")
         if self.n_max is not None and self.n_max < 1:
             raise ValueError(f"launch.n_max must be >= 1, got {self.n_max}")
+        if self.policy == "planner" and self.look_ahead:
+            # The planner's throughput model has no return answered without the large model's step:
+            # with look-ahead on it would plan for another system than the one that runs.
+            logger.info("launch.policy planner: look-ahead turned off (the planner does not model it)")
+            object.__setattr__(self, "look_ahead", False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LaunchConfig:
@@ -108,10 +119,12 @@ class LaunchConfig:
             policy=d.get("policy", "eager"), thresholds=thresholds,
             alpha=_number("launch.alpha", d.get("alpha", 0.0)), p=_number("launch.p", d.get("p", 0.1)),
             n_max=None if d.get("n_max") is None else _number("launch.n_max", d["n_max"], int),
-            profile=_profile("launch.profile", d.get("profile")), look_ahead=d.get("look_ahead", True))
+            profile=_profile("launch.profile", d.get("profile")), look_ahead=d.get("look_ahead", True),
+            share_cores=d.get("share_cores", True))
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"policy": self.policy, "alpha": self.alpha, "p": self.p, "look_ahead": self.look_ahead}
+        d: dict[str, Any] = {"policy": self.policy, "alpha": self.alpha, "p": self.p, "look_ahead": self.look_ahead,
+                             "share_cores": self.share_cores}
         if self.thresholds:
             d["thresholds"] = {m: t.as_dict() for m, t in self.thresholds.items()}
         if self.n_max is not None:

@@ -23,7 +23,9 @@ from tokenrouter.engine.latency_model import InterferenceClock, LatencyModelRunn
 from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
 from tokenrouter.engine.model_runner import StepOutput
 from tokenrouter.engine.req import Req
+from tokenrouter.engine.step_board import CoreShare, StepBoard
 from tokenrouter.engine.step_trace import StepTraceWriter
+from tokenrouter.models import quantized_linear
 from tokenrouter.routing import STAY, PeerReq, Route, make_algorithm
 from tokenrouter.runtime.attribution import Attribution
 from tokenrouter.runtime.containment import checked_route, route_each
@@ -62,11 +64,11 @@ class Subserver:
 
     def __init__(self, spec: ModelSpec, group: GroupConfig, bind_address: str, entry_address: str,
                  parent_pid: int | None = None, advertise_host: str | None = None,
-                 watch_entry: bool = False, interference_flags: str | None = None) -> None:
+                 watch_entry: bool = False, board: str | None = None) -> None:
         """`advertise_host`: the host others reach the inbox at when it binds a wildcard interface.
         `watch_entry`: not the entry's child (joined, or a Ray actor), so exit when its connection drops.
-        `interference_flags`: with the latency executor, the shared memory where the entry's co-located
-        models flag their running steps."""
+        `board`: the shared memory where the entry's co-located models flag their running steps
+        (engine/step_board.py): the latency executor's interference and core sharing read it."""
         self.name = spec.name
         self.parent_pid = parent_pid
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
@@ -75,15 +77,20 @@ class Subserver:
         planned = group.launch.policy == "planner"
         self.measure_latency = planned and group.planner_profile() is None
         self.clock: InterferenceClock | None = None
+        self.board = StepBoard(board, group.names.index(spec.name)) if board else None
         runner = None
         profile = group.executor.profile if group.executor.latency else None
         if profile is not None:
             names = group.names
             alphas = {names.index(p): a for p, a in profile.interference.get(spec.name, {}).items() if p in names}
-            self.clock = InterferenceClock(names.index(spec.name), alphas, interference_flags)
+            self.clock = InterferenceClock(names.index(spec.name), alphas, self.board)
             runner = LatencyModelRunner.for_model(profile, spec.name, spec.engine.model_path, self.clock)
+        cores = None
+        if runner is None and group.launch.share_cores and spec.cores is None and spec.engine.tp_size == 1 \
+                and spec.engine.torch_device().type == "cpu":
+            cores = CoreShare(CoreShare.host_cores(), quantized_linear.MAX_ROWS, self.board)
         self.engine = Engine(spec.engine, launch=self.launch, outputs=self.algorithm.outputs(spec.name),
-                             latency_runner=runner, trace_index=group.names.index(spec.name))
+                             latency_runner=runner, trace_index=group.names.index(spec.name), cores=cores)
         self.algorithm.bind(spec.name, self.engine)
         # Run ahead for requests this model hands back with its own token (routing/algorithm.py looks_ahead).
         self.look_ahead = group.launch.look_ahead and self.algorithm.looks_ahead(spec.name)
@@ -249,11 +256,11 @@ class Subserver:
             except Exception:  # noqa: BLE001 - the request ends here anyway; its state is forgotten
                 logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, rid)
                 self.request_errors["on_finish"] += 1
-        self.engine.abort(rid)
-        self.attribution.forget(rid)
         state = self.states.end(rid)
         if state is not None:
-            self.pending_seconds += state.end_pending(time.monotonic())
+            self.pending_seconds += state.end_pending(req, time.monotonic())
+        self.engine.abort(rid)
+        self.attribution.forget(rid)
 
     def _receive(self, sender: str, msg: Handoff) -> None:
         try:
@@ -297,11 +304,11 @@ class Subserver:
                 return  # on_start failed on it
             state = self.states.live[rid]
         else:
+            state = self.states.live[rid]
+            self.pending_seconds += state.end_pending(eng.reqs[rid], time.monotonic())
             answered = eng.receive(rid, peer.loc, peer.suffix)
             if answered is not None:
                 self.answered.append(answered)
-            state = self.states.live[rid]
-            self.pending_seconds += state.end_pending(time.monotonic())
         state.known[sender] = peer.loc + len(peer.suffix)
         state.handoffs = msg.handoffs
         self.attribution.received(rid, msg.trace)
@@ -404,7 +411,7 @@ class Subserver:
         batches: dict[str, list[Handoff]] = {}  # one message per peer and step
         for req, dest in handoffs:
             try:
-                item = self._handoff(req, dest, now)
+                item = self._handoff(req, dest)
             except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
                 logger.exception("%s: %s.send failed on request %s", self.name, self.algorithm.name, req.rid)
                 self._algorithm_failed(req.rid, "send")
@@ -448,7 +455,7 @@ class Subserver:
         for peer in state.known:
             notices.setdefault(peer, []).append(_finish_notice(req.rid))
 
-    def _handoff(self, req: Req, dest: str, now: float) -> Handoff:
+    def _handoff(self, req: Req, dest: str) -> Handoff:
         """Hand req to `dest` (PENDING here, or first its look-ahead row); its hand-off, to send with
         the step's others."""
         if dest not in self.io.to_peer:
@@ -462,7 +469,7 @@ class Subserver:
                                self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         self.engine.hand_off(req, self.look_ahead)
-        state.pending_since = now
+        state.at_peer = True
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
@@ -486,8 +493,8 @@ class Subserver:
         self.io.flush()
         if self.engine.tp is not None:
             self.engine.tp.shutdown()  # STOP to the tensor-parallel workers, then join them
-        if self.clock is not None:
-            self.clock.close()
+        if self.board is not None:
+            self.board.close()
         self.io.close()
 
 

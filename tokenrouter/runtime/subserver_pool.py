@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from tokenrouter.engine.latency_model import create_flags
+from tokenrouter.engine.step_board import create_board
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Join, Ready, ReqError, Shutdown, Topology, encode, receive_waiting
@@ -57,23 +57,21 @@ class SubserverPool:
         self.joins: JoinDesk | None = None
         self.info: dict[str, Ready] = {}
         self._last_liveness = 0.0
-        self._flags: Any = None
+        self._board: Any = None  # the step board of the subservers spawned here (engine/step_board.py)
 
     def start(self, vocab_hash: str) -> None:
         """Start every subserver and wait (bounded) until each has loaded its model; joiners are
         checked against `vocab_hash`. Raises SubserverDied when one fails or is late."""
         spawn = mp.get_context("spawn")
         group_dict = self.group.to_dict()
-        flags = None
-        if self.group.executor.latency:
-            self._flags = create_flags()  # co-located models' running flags, for interference
-            flags = self._flags.name
+        self._board = create_board()  # their running steps: interference, core sharing
+        board = self._board.name
         for spec in self.group.models:
             if spec.start == "spawn":
                 proc = spawn.Process(
                     target=subserver_main, name=f"tokenrouter-{spec.name}",
                     args=(spec.name, group_dict, self.bind_addresses[spec.name], self.entry_address, os.getpid(),
-                          flags))
+                          board))
                 proc.start()
                 self.procs[spec.name] = proc
             elif spec.start == "ray":
@@ -197,7 +195,7 @@ class SubserverPool:
         if self._auth is not None:
             self._auth.stop()
         self.ctx.term()
-        if self._flags is not None:
-            self._flags.close()
-            self._flags.unlink()
+        if self._board is not None:
+            self._board.close()
+            self._board.unlink()
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -32,13 +32,13 @@ def configure_process(model: ModelSpec) -> None:
 
 def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry_address: str,
                     parent_pid: int | None = None, advertise_host: str | None = None,
-                    watch_entry: bool = False, interference_flags: str | None = None) -> None:
+                    watch_entry: bool = False, board: str | None = None) -> None:
     """Load and serve until Shutdown; a failure is reported to the entry (which turns it into a clear
     error) and raised again."""
     server = None
     try:
         server = Subserver(model, cfg, bind_address, entry_address, parent_pid, advertise_host, watch_entry,
-                           interference_flags)
+                           board)
         server.run()
     except BaseException as e:
         ctx = zmq.Context.instance()
@@ -56,7 +56,7 @@ def serve_subserver(model: ModelSpec, cfg: GroupConfig, bind_address: str, entry
 
 
 def subserver_main(name: str, group: dict[str, Any], bind_address: str, entry_address: str, parent_pid: int,
-                   interference_flags: str | None = None) -> None:
+                   board: str | None = None) -> None:
     """Process entry point (spawned by the entry): serve model `name` of the group (its config as
     GroupConfig.to_dict gives it); configure threads and cores, then serve."""
     die_with_parent()
@@ -65,6 +65,6 @@ def subserver_main(name: str, group: dict[str, Any], bind_address: str, entry_ad
     model = cfg.spec(name)
     configure_process(model)
     try:
-        serve_subserver(model, cfg, bind_address, entry_address, parent_pid, interference_flags=interference_flags)
+        serve_subserver(model, cfg, bind_address, entry_address, parent_pid, board=board)
     except BaseException as e:
         raise SystemExit(1) from e

@@ -1,0 +1,78 @@
+"""The step board and core sharing (engine/step_board.py): a step of few rows runs on every core
+while no other model's slot is set, on one otherwise; the slot is set for the step's duration and
+before the peers are read; an engine given a CoreShare sizes each real step with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import prompts_of
+
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.step_board import CoreShare, StepBoard, create_board
+from tokenrouter.sampling_params import SamplingParams
+
+
+@pytest.fixture
+def boards():
+    shm = create_board()
+    mine, peer = StepBoard(shm.name, 0), StepBoard(shm.name, 1)
+    yield mine, peer
+    mine.close()
+    peer.close()
+    shm.close()
+    shm.unlink()
+    torch.set_num_threads(1)  # the suite's setting (tests/conftest.py)
+
+
+def test_every_core_for_a_small_step_while_no_peer_steps(boards):
+    mine, peer = boards
+    share = CoreShare(2, 8, mine)
+    with share.step(1) as threads:
+        assert threads == 2 and torch.get_num_threads() == 2
+        assert mine.flags[0] == 1.0 and peer.others_running() == 1  # the peer sees this step
+    assert mine.flags[0] == 0.0 and peer.others_running() == 0
+    with share.step(9) as threads:  # past max_rows: one thread
+        assert threads == 1 and torch.get_num_threads() == 1
+    with peer.running():
+        with share.step(1) as threads:  # a peer is stepping: one thread
+            assert threads == 1 and torch.get_num_threads() == 1
+    assert share.threads_used == {2: 1, 1: 2}
+
+
+def test_two_models_starting_at_once_cannot_both_take_every_core(boards):
+    """The slot is set before the peers are read: of two steps that overlap, the second sees the first."""
+    mine, peer = boards
+    a, b = CoreShare(2, 8, mine), CoreShare(2, 8, peer)
+    with a.step(1) as first:
+        with b.step(1) as second:
+            assert (first, second) == (2, 1)
+
+
+def test_without_a_board_only_the_rows_decide():
+    share = CoreShare(3, 4)
+    try:
+        assert [share.threads_for(r) for r in (1, 4, 5)] == [3, 3, 1]
+        with pytest.raises(ValueError, match="cores and max_rows >= 1"):
+            CoreShare(0, 4)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_an_engine_sizes_its_steps_with_it(model_paths, boards):
+    """Prefill (many rows) on one thread, decode steps (few rows) on both; the tokens are the same as
+    an engine's on one thread."""
+    mine, _ = boards
+    cfg = EngineConfig(model_path=str(model_paths["llama"]), kv_cache_tokens=1024, page_size=4, device="cpu")
+    shared, plain = Engine(cfg, cores=CoreShare(2, 4, mine)), Engine(cfg)
+    prompts = prompts_of([12, 3], seed=4)
+    outs = []
+    for eng in (shared, plain):
+        reqs = [eng.add_request(p, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+        while eng.has_unfinished():
+            eng.step()
+        outs.append([r.output_ids for r in reqs])
+    torch.set_num_threads(1)
+    assert shared.cores is not None and shared.cores.threads_used == {1: 1, 2: 5}
+    assert outs[0] == outs[1]

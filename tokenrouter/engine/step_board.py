@@ -1,0 +1,102 @@
+"""The running-steps board of a group's co-located subservers, and the cores a step runs on.
+
+The board is a small array in shared memory (the entry creates it; each subserver it spawns attaches
+by name), one slot per model of the group, set while that model runs a step. Two readers:
+- the latency executor's interference (latency_model.py InterferenceClock): a model progresses
+  more slowly while a peer's slot is set;
+- core sharing (`CoreShare`): on a CPU host where models take turns, a step may use every core while
+  no other model is stepping, and only one while another is.
+
+Why core sharing: one torch thread per process keeps co-located models off each other's cores (two
+threads on a busy core run 5-13x slower: OpenMP spin-waits for a core it cannot get), but when the
+models take turns (one request: it is always at one model) a core idles. The rule measured in
+benchmarks/llama_cpp_side_by_side.py: every core for a step of at most `max_rows` rows (the
+quantized kernel's, where more threads pay: models/quantized_linear.py) while no other model's slot
+is set; one thread otherwise (large steps come with load, when the other cores have work).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+
+SLOTS = 64
+
+
+def create_board() -> shared_memory.SharedMemory:
+    """A group's board (the entry creates it, owns it and unlinks it), every slot clear."""
+    shm = shared_memory.SharedMemory(create=True, size=SLOTS * 8)
+    np.ndarray((SLOTS,), dtype=np.float64, buffer=shm.buf)[:] = 0.0
+    return shm
+
+
+class StepBoard:
+    """One model's view of the board `name`: its own slot `me` and its peers'."""
+
+    def __init__(self, name: str, me: int) -> None:
+        if not 0 <= me < SLOTS:
+            raise ValueError(f"a board has {SLOTS} slots; slot {me} is outside")
+        self.me = me
+        self._shm = shared_memory.SharedMemory(name=name)
+        self.flags: np.ndarray | None = np.ndarray((SLOTS,), dtype=np.float64, buffer=self._shm.buf)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """This model's slot set for the duration."""
+        flags = self.flags
+        if flags is None:
+            yield
+            return
+        flags[self.me] = 1.0
+        try:
+            yield
+        finally:
+            flags[self.me] = 0.0
+
+    def others_running(self) -> int:
+        """How many other models are in a step now."""
+        if self.flags is None:
+            return 0
+        return int(np.count_nonzero(self.flags)) - int(self.flags[self.me] > 0)
+
+    def close(self) -> None:
+        self.flags = None
+        self._shm.close()
+
+
+class CoreShare:
+    """Sizes each step's torch threads: all of `cores` for a step of at most `max_rows` rows while no
+    other model on `board` runs a step, one otherwise; marks this model's slot while its step runs.
+    Without a board (one model alone on the host) only the rows decide."""
+
+    def __init__(self, cores: int, max_rows: int, board: StepBoard | None = None) -> None:
+        if cores < 1 or max_rows < 1:
+            raise ValueError(f"core sharing needs cores and max_rows >= 1, got {cores} and {max_rows}")
+        self.cores, self.max_rows, self.board = cores, max_rows, board
+        self.threads_used: dict[int, int] = {}  # threads -> steps run on that many (for the stats)
+
+    @staticmethod
+    def host_cores() -> int:
+        """The cores this process may run on."""
+        return len(os.sched_getaffinity(0))
+
+    def threads_for(self, rows: int) -> int:
+        if rows > self.max_rows or (self.board is not None and self.board.others_running()):
+            return 1
+        return self.cores
+
+    @contextlib.contextmanager
+    def step(self, rows: int) -> Iterator[int]:
+        """Run a step of `rows` rows on the threads the rule gives (yielded). The slot is set before
+        the peers are read, so two models starting at once cannot both take every core."""
+        with self.board.running() if self.board is not None else contextlib.nullcontext():
+            threads = self.threads_for(rows)
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            self.threads_used[threads] = self.threads_used.get(threads, 0) + 1
+            yield threads
