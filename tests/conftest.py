@@ -25,6 +25,7 @@ def model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
         "llama": build_random_model(root / "llama", "llama", "tiny", seed=1),
+        "qwen2": build_random_model(root / "qwen2", "qwen2", "tiny", seed=3),
         "qwen3": build_random_model(root / "qwen3", "qwen3", "tiny", seed=2),
     }
 

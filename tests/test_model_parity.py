@@ -7,7 +7,7 @@ import torch
 from engine_utils import Logits, add, make_engine, max_logit_diff, prompts_of, run_to_end
 
 TOL = 1e-4
-ARCHS = ["llama", "qwen3"]
+ARCHS = ["llama", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -124,3 +124,32 @@ def test_logits_match_transformers_on_cuda(arch, dtype, model_paths):
     worst, scale = half_precision_diff(hf, reqs, logits)
     tol = max(1e-3, 1e-4 * scale) if dtype == "float32" else HALF_TOL[dtype] * scale
     assert worst <= tol, f"{dtype} on cuda: max diff {worst} (largest logit {scale})"
+
+
+def test_qwen2_with_a_released_config_writes_transformers_greedy_tokens(model_paths, tmp_path):
+    """The tiny Qwen2 under the config.json fields DeepSeek-R1-Distill-Qwen ships (transformers 5 writes
+    them otherwise): a sliding window use_sliding_window turns off, a top-level rope_theta, use_mrope."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from tokenrouter import LLM, SamplingParams
+
+    folder = shutil.copytree(model_paths["qwen2"], tmp_path / "qwen2")
+    config = json.loads((folder / "config.json").read_text())
+    theta = config.pop("rope_parameters")["rope_theta"]
+    del config["layer_types"]
+    config.update(rope_theta=theta, sliding_window=32, use_sliding_window=False, max_window_layers=1,
+                  use_mrope=False)
+    (folder / "config.json").write_text(json.dumps(config))
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    llm = LLM(str(folder), kv_cache_tokens=1024, page_size=4, device="cpu")
+    assert llm.engine.model_config.architecture == "qwen2"
+    prompts = prompts_of([5, 40, 70], seed=7)  # longer than the window: it must stay off
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=16, temperature=0.0),
+                        use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()

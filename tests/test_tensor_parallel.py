@@ -54,7 +54,7 @@ def _drive(engine: Engine, logits: Logits) -> tuple[list[Req], list[list[int]]]:
     return first + second, seen
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tp2_logits_equal_tp1_over_mixed_batches(model_paths, hf_models, arch):
     cfg = ModelConfig.from_folder(model_paths[arch])
     assert cfg.num_heads % 2 == 0 and cfg.num_kv_heads % 2 == 0 and cfg.intermediate_size % 2 == 0
@@ -89,7 +89,7 @@ def test_tp2_logits_equal_tp1_over_mixed_batches(model_paths, hf_models, arch):
     assert max_logit_diff(hf_models[arch], reqs2, logits2) <= 1e-4  # and both agree with transformers
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tp2_greedy_generation_equals_tp1(model_paths, arch):
     prompts = prompts_of([4, 11, 23, 2, 17], seed=21)
     out = {}
@@ -133,6 +133,34 @@ def test_each_rank_loads_only_its_slices(model_paths):
         assert torch.equal(gu[i:], fgu[cfg.intermediate_size + rank * i:cfg.intermediate_size + (rank + 1) * i])
         o = sliced.model.layers[0].self_attn.o_proj.weight
         assert torch.equal(o, full.model.layers[0].self_attn.o_proj.weight[:, rank * hq:(rank + 1) * hq])
+
+
+def test_qwen2_ranks_hold_their_heads_q_k_v_bias_and_no_o_proj_bias(model_paths):
+    """The fused q/k/v bias is cut as its weight's rows are: rank r holds [q_r; k_r; v_r] of q_proj.bias,
+    k_proj.bias and v_proj.bias, read cut or whole; o_proj has no bias to add after the all-reduce."""
+    from safetensors.torch import load_file
+
+    path = model_paths["qwen2"]
+    cfg = ModelConfig.from_folder(path)
+    whole = load_file(str(path / "model.safetensors"))
+    hq, hkv = cfg.num_heads * cfg.head_dim // 2, cfg.num_kv_heads * cfg.head_dim // 2
+    for rank in (0, 1):
+        tp = TPGroup(rank, 2)  # no backend: building and loading need no collective
+        sliced = load_model(path, torch.float32, torch.device("cpu"), tp)
+        with torch.device("cpu"):
+            cut = build_model(cfg, tp)
+        cut.load_weights(whole.items())
+        for layer in range(cfg.num_layers):
+            prefix = f"model.layers.{layer}.self_attn"
+            expected = torch.cat([whole[f"{prefix}.q_proj.bias"][rank * hq:(rank + 1) * hq],
+                                  whole[f"{prefix}.k_proj.bias"][rank * hkv:(rank + 1) * hkv],
+                                  whole[f"{prefix}.v_proj.bias"][rank * hkv:(rank + 1) * hkv]])
+            for model in (sliced, cut):
+                attn = model.model.layers[layer].self_attn
+                assert torch.equal(attn.qkv_proj.bias, expected)
+                assert attn.o_proj.bias is None
+                assert torch.equal(model.checkpoint_tensor(f"{prefix}.k_proj.bias"),
+                                   whole[f"{prefix}.k_proj.bias"][rank * hkv:(rank + 1) * hkv])
 
 
 def test_bad_tp_size_is_a_clear_error(model_paths):

@@ -9,6 +9,7 @@ from tokenrouter.models.tp_group import TPGroup
 
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,  # the Llama network; ModelConfig.qkv_bias gives it its q/k/v bias
     "qwen3": Qwen3ForCausalLM,
 }
 

@@ -11,17 +11,49 @@ from typing import Any
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# config.json's model_type -> our model family, for a config that names no architecture.
+MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 class ModelLoadError(ValueError):
     """The folder is not a model this engine can load; the message says why."""
 
 
+def _sliding_window_refusal(d: dict[str, Any], family: str) -> str | None:
+    """Why config `d` needs sliding-window attention, which the engine does not implement (every layer
+    attends over the whole context), or None where no window ever cuts anything: the layers with one
+    are those transformers gives one, and a window as long as the context (max_position_embeddings,
+    which caps the engine's) sees all of it."""
+    window = d.get("sliding_window")
+    context = int(d.get("max_position_embeddings", 2048))
+    if not window or window >= context:
+        return None
+    if family == "llama":  # Mistral has no switch: a window set is a window used, on every layer
+        return f"sliding_window is {window}, shorter than max_position_embeddings {context}"
+    # Qwen2 and Qwen3 configs carry a window with use_sliding_window false: it is off.
+    if not d.get("use_sliding_window", False):
+        return None
+    layers = int(d["num_hidden_layers"])
+    types = d.get("layer_types")
+    if types:
+        sliding = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+        source = "layer_types"
+    else:
+        first = int(d.get("max_window_layers", 28))  # transformers' default in both families
+        sliding = list(range(first, layers))
+        source = f"max_window_layers {first}"
+    if not sliding:
+        return None
+    return (f"use_sliding_window is true and sliding_window {window} (shorter than max_position_embeddings "
+            f"{context}) applies to {len(sliding)} of the {layers} layers ({source})")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" or "qwen3"
+    architecture: str  # "llama", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -34,7 +66,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # Llama's and Qwen3's field: a bias on all four attention projections
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
 
@@ -42,13 +74,23 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.architecture == "qwen3"
 
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 always has a bias on q, k and v (transformers ignores attention_bias there)."""
+        return self.architecture == "qwen2" or self.attention_bias
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Qwen2 never has one on o_proj."""
+        return self.architecture != "qwen2" and self.attention_bias
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelConfig:
         archs = d.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if family is None:
             model_type = d.get("model_type")
-            family = {"llama": "llama", "mistral": "llama", "qwen3": "qwen3"}.get(model_type or "")
+            family = MODEL_TYPES.get(model_type or "")
         if family is None:
             name = archs[0] if archs else d.get("model_type", "<none>")
             raise ModelLoadError(
@@ -58,19 +100,21 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' is implemented")
         if family == "llama" and d.get("mlp_bias"):
             raise ModelLoadError("mlp_bias=True is not supported")
-        if d.get("sliding_window") and d.get("use_sliding_window", family == "llama"):
-            raise ModelLoadError("sliding-window attention is not supported")
+        sliding = _sliding_window_refusal(d, family)
+        if sliding is not None:
+            raise ModelLoadError(f"sliding-window attention is not supported: {sliding}")
         rope = dict(d.get("rope_parameters") or {})
         scaling = d.get("rope_scaling") or None
+        scaling_field = "rope_scaling"
         if scaling is None and rope.get("rope_type", "default") != "default":
-            scaling = rope
+            scaling, scaling_field = rope, "rope_parameters"
         theta = float(rope.get("rope_theta", d.get("rope_theta", 10000.0)))
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
             if kind == "default":
                 scaling = None
             elif kind not in ("linear", "llama3"):
-                raise ModelLoadError(f"unsupported rope scaling {kind!r}; supported: linear, llama3")
+                raise ModelLoadError(f"unsupported rope scaling {kind!r} in {scaling_field}; supported: linear, llama3")
         num_heads = int(d["num_attention_heads"])
         eos = (generation or {}).get("eos_token_id", d.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))

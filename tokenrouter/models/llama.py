@@ -1,13 +1,15 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral without sliding window) over a flat batch of extends.
 
-Qwen3 is the same network plus RMSNorm on each head's q and k (see qwen3.py). Parameter names follow
+Qwen2 (and Qwen2.5, DeepSeek-R1-Distill-Qwen) is the same network with a bias on q, k and v (none on
+o_proj); Qwen3 adds RMSNorm on each head's q and k (see qwen3.py). Parameter names follow
 the Hugging Face checkpoints so weights load by name; q/k/v and gate/up are fused at load time.
 
 Tensor parallelism (a `TPGroup` of size > 1): rank r holds num_heads / tp query heads and
 num_kv_heads / tp KV heads (fused per shard as [q_r; k_r; v_r]), intermediate / tp MLP columns, and a
 vocabulary slice of the embedding and LM head; o_proj and down_proj all-reduce their partial sums
 (see tokenrouter/models/parallel_layers.py). `checkpoint_slice` tells the loader which part of each
-checkpoint tensor a rank reads. With the default group of size 1 nothing is split or communicated.
+checkpoint tensor a rank reads (a q/k/v bias is cut and fused as its weight's rows are). With the
+default group of size 1 nothing is split or communicated.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.attention_bias, tp)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.attention_bias, tp)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, tp)
         self.qk_norm = cfg.qk_norm
         self.fused: FusedOps | None = None  # set by use_fused_ops (float32 CPU only)
         if cfg.qk_norm:

@@ -53,9 +53,17 @@ def build_tokenizer() -> Any:
 
 def build_random_model(folder: str | Path, arch: str = "llama", preset: str = "tiny", seed: int = 0,
                        **overrides: Any) -> Path:
-    """Write a random-weight model of the given family ("llama" or "qwen3") to folder."""
+    """Write a random-weight model of the given family ("llama", "qwen2" or "qwen3") to folder."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        GenerationConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     folder = Path(folder)
     tokenizer = build_tokenizer()
@@ -66,20 +74,25 @@ def build_random_model(folder: str | Path, arch: str = "llama", preset: str = "t
     if arch == "llama":
         kw.setdefault("rope_theta", 10000.0)
         cfg, cls = LlamaConfig(**kw), LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = Qwen2Config(**kw), Qwen2ForCausalLM
     elif arch == "qwen3":
         kw.setdefault("head_dim", 2 * kw["hidden_size"] // kw["num_attention_heads"])
         kw.setdefault("tie_word_embeddings", True)
         cfg, cls = Qwen3Config(**kw), Qwen3ForCausalLM
     else:
-        raise ValueError(f"unknown architecture {arch!r}: llama or qwen3")
+        raise ValueError(f"unknown architecture {arch!r}: llama, qwen2 or qwen3")
     torch.manual_seed(seed)
     model = cls(cfg)
     # The default init draws weights with std 0.02, which makes every logit nearly equal; a wider
-    # spread gives distinct greedy choices, so exactness tests are meaningful.
+    # spread gives distinct greedy choices, so exactness tests are meaningful. Biases start at zero,
+    # where a misplaced or missing one would go unnoticed.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.generation_config = GenerationConfig(eos_token_id=eos, bos_token_id=eos)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
