@@ -58,6 +58,7 @@ class Req:
     prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
     num_preemptions: int = 0
     look_ahead: bool = False
+    pending_since: float = 0.0  # when it last went PENDING (monotonic): after its look-ahead row, which ran here
     grammar: GrammarState | None = None  # this model's matcher of the structured output, if any
     # Prompt logprobs (params.prompt_logprobs): one entry per prompt token from the second on, filled
     # by the prefill; complete when it holds prompt_len - 1 entries.
@@ -85,6 +86,10 @@ class Req:
     def at_peer(self) -> bool:
         """Handed to a peer: PENDING, or RUNNING for its look-ahead row."""
         return self.status is ReqStatus.PENDING or self.look_ahead
+
+    def pending_seconds(self, now: float) -> float:
+        """How long it has been PENDING; 0 when it is not (RUNNING for its look-ahead row included)."""
+        return now - self.pending_since if self.status is ReqStatus.PENDING else 0.0
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ the server and the tests.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -131,12 +132,17 @@ class Scheduler:
     def set_pending(self, req: Req) -> None:
         if req.status is not ReqStatus.RUNNING:
             raise ValueError(f"only a RUNNING request can go PENDING, {req.rid} is {req.status.value}")
-        req.status = ReqStatus.PENDING
+        self._pending(req)
 
     def end_look_ahead(self, req: Req) -> None:
         """req's look-ahead is over (its row ran, or will not): PENDING now, as any request at a peer."""
         req.look_ahead = False
+        self._pending(req)
+
+    @staticmethod
+    def _pending(req: Req) -> None:
         req.status = ReqStatus.PENDING
+        req.pending_since = time.monotonic()
 
     def resume(self, req: Req) -> None:
         if req.status is not ReqStatus.PENDING:
@@ -206,19 +212,26 @@ class Scheduler:
             lens.append(n)
             budget -= n
         # Look-ahead rows last, on a step that launched for other work, with what is left: the
-        # budget and free pages only (no eviction, no preemption); without a page one gives up.
-        for req in ahead:
-            if not reqs or budget == 0:
-                break
-            need = self._pages_for(req, len(req.tokens))
-            pages = self.pool.alloc(need) if need > 0 else []
-            if pages is None:
-                self.end_look_ahead(req)
-                continue
-            req.pages.extend(pages)
-            reqs.append(req)
-            lens.append(1)
-            budget -= 1
+        # budget and free pages only (no eviction, no preemption), and none that a running request
+        # may need to run through its tokens and the one it samples next: a page taken here would
+        # otherwise push one out at the next step. Without a page one gives up.
+        if ahead and reqs:
+            spare = self.pool.num_free + self.cache.evictable_pages - sum(
+                max(0, self._pages_for(r, len(r.tokens) + 1)) for r in self.running
+                if r.status is running and not r.look_ahead)
+            for req in ahead:
+                if budget == 0:
+                    break
+                need = max(0, self._pages_for(req, len(req.tokens)))
+                pages = self.pool.alloc(need) if need <= spare else None
+                if pages is None:
+                    self.end_look_ahead(req)
+                    continue
+                spare -= need
+                req.pages.extend(pages)
+                reqs.append(req)
+                lens.append(1)
+                budget -= 1
         return ScheduledBatch(reqs, lens) if reqs else None
 
     def _grow(self, req: Req, num_tokens: int, protect: list[Req]) -> bool:

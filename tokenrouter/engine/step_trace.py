@@ -3,7 +3,7 @@
 With TOKENROUTER_STEP_TRACE=DIR in the environment, every `LatencyModelRunner` step, and every step of
 a real model whose engine knows its index in the group (`Engine(trace_index=...)`, as a subserver's
 does), appends one JSON line to DIR/<pid>.jsonl: [model index, start, end, request ids, extend
-lengths] and, when the step ran look-ahead rows, their count; times from `time.perf_counter`
+lengths] and, when the step ran look-ahead rows, their request ids; times from `time.perf_counter`
 (CLOCK_MONOTONIC on Linux, so comparable across the group's processes). An environment variable,
 because the subservers are spawned by the entry and inherit it, so tracing needs no change to the
 group config or the wire protocol.
@@ -25,7 +25,7 @@ import glob
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO
 
 import numpy as np
@@ -52,17 +52,18 @@ class StepTraceWriter:
         return self.directory is not None
 
     def write(self, model: int, start: float, end: float, rids: list[str], extend_lens: list[int],
-              ahead: int = 0) -> None:
+              ahead: list[str] | None = None) -> None:
         if self.directory is not None:
             self._line(json.dumps([model, start, end, rids, extend_lens] + ([ahead] if ahead else [])))
 
     def write_batch(self, model: int, start: float, end: float, reqs: list[Req], extend_lens: list[int]) -> None:
-        """A step's line from its batch: look-ahead rows (engine.py Engine.hand_off) as a count, since
-        they are not their requests' decisions."""
+        """A step's line from its batch: look-ahead rows (engine.py Engine.hand_off) apart, since they
+        are not their requests' decisions."""
         if self.directory is None:
             return
         own = [(r.rid, n) for r, n in zip(reqs, extend_lens) if not r.look_ahead]
-        self.write(model, start, end, [rid for rid, _ in own], [n for _, n in own], len(reqs) - len(own))
+        self.write(model, start, end, [rid for rid, _ in own], [n for _, n in own],
+                   [r.rid for r in reqs if r.look_ahead])
 
     def write_answered(self, model: int, at: float, rids: list[str]) -> None:
         """Returns `model` answered at `at` from look-ahead rows, without a step: each is a visit."""
@@ -89,12 +90,17 @@ class Step:
     end: float
     rids: list[str]
     extend_lens: list[int]
-    # Look-ahead rows the step also ran, one token each, for requests at a peer (engine.py
+    # The requests at a peer whose look-ahead rows the step also ran, one token each (engine.py
     # Engine.hand_off): computed, but not those requests' decisions, so not in rids.
-    ahead: int = 0
+    ahead_rids: list[str] = field(default_factory=list)
     # A return answered from a look-ahead row (read_trace's with_answered): a visit of one decision
     # at `start` (= end) that ran no step; its one row ran in an earlier step, counted there.
     answered: bool = False
+
+    @property
+    def ahead(self) -> int:
+        """Its look-ahead rows."""
+        return len(self.ahead_rids)
 
     @property
     def rows(self) -> int:
@@ -206,15 +212,22 @@ def visit_runs(steps: list[Step]) -> dict[str, list[tuple[int, int, int]]]:
     samples the request's first token), so a visit's steps are the run length between two sends. Fed:
     the tokens beyond one that the visit's first step computed for the request (what the other model
     wrote since this one last saw it; on a first visit, the prompt and those tokens less what the
-    model's prefix cache held)."""
+    model's prefix cache held). After a look-ahead row of the model's own last token rode in one of
+    its steps, that one token was computed there: the visit's first step computes only the catch-up
+    (unless the return was answered, a visit of one token). A return that cuts the model's own last
+    token away (no built-in algorithm's) recomputes it, which the trace does not show: one too many."""
     visits: dict[str, list[list[int]]] = {}
+    rode: set[tuple[str, int]] = set()  # (request, model): a look-ahead row ran since the model's last step on it
     for s in steps:
         for rid, ext in zip(s.rids, s.extend_lens):
             v = visits.setdefault(rid, [])
             if v and v[-1][0] == s.model:
                 v[-1][1] += 1
             else:
-                v.append([s.model, 1, ext - 1])
+                ahead = (rid, s.model) in rode and not s.answered
+                v.append([s.model, 1, ext - 1 + ahead])
+            rode.discard((rid, s.model))
+        rode.update((rid, s.model) for rid in s.ahead_rids)
     return {rid: [(m, k, fed) for m, k, fed in v] for rid, v in visits.items()}
 
 

@@ -17,14 +17,16 @@ class RequestState:
 
     known: dict[str, int] = field(default_factory=dict)  # peer -> how many of its tokens that peer holds
     handoffs: int = 0  # its hand-offs so far (every model's, as last seen here)
-    pending_since: float | None = None  # when it went PENDING here (monotonic); None: not PENDING
+    at_peer: bool = False  # handed to a peer and not back (PENDING here, or first running its look-ahead row)
     prompt_logprobs_due: bool = False  # the entry still awaits its prompt logprobs from this model
     alone: bool = False  # this model writes it alone (routing.model): never routed
 
-    def end_pending(self, now: float) -> float:
-        """It is back (or gone): the seconds it was PENDING, 0 if it was not."""
-        since, self.pending_since = self.pending_since, None
-        return 0.0 if since is None else now - since
+    def end_pending(self, req: Req | None, now: float) -> float:
+        """It is back (or gone; req, before the engine resumes or drops it): the seconds it was
+        PENDING, 0 if it was not. They run from when the engine made it PENDING, not from the
+        hand-off: a look-ahead row may have run here in between."""
+        at_peer, self.at_peer = self.at_peer, False
+        return req.pending_seconds(now) if at_peer and req is not None else 0.0
 
 
 class RequestStates:
@@ -65,12 +67,12 @@ class RequestStates:
     def check_integrity(self, reqs: Mapping[str, Req]) -> None:
         """Every live request of the engine has exactly one state and no state outlives its request;
         a request is at a peer (PENDING, or running its look-ahead row) exactly while its state says
-        since when; the counts match the flags."""
+        so; the counts match the flags."""
         assert self.live.keys() == reqs.keys(), (f"states {sorted(self.live)} but live requests "
                                                  f"{sorted(reqs)}")
         for rid, state in self.live.items():
             pending = reqs[rid].at_peer
-            assert pending == (state.pending_since is not None), f"{rid}: at a peer {pending}, {state}"
+            assert pending == state.at_peer, f"{rid}: at a peer {pending}, {state}"
         assert self.alone == sum(s.alone for s in self.live.values()), "alone count drifted"
         assert self.prompt_logprobs_due == sum(s.prompt_logprobs_due for s in self.live.values()), \
             "prompt_logprobs_due count drifted"
