@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,11 @@ VERSION = "0.3.36"
 CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF")
 TARGETS = ("llama-server",)
+# ggml's AMX matrix path (compiled in where -march=native offers AMX) crashed llama-server here at its
+# first product (SIGSEGV in ggml_backend_amx_mul_mat, 2026-12-05, on a 2-core AMD EPYC with AMX): on
+# x86 the build keeps every other native instruction set and leaves AMX out.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BUILD_TAG = "no-amx"  # part of the build folder's name: a build made otherwise is not reused
 
 
 class LlamaCppBuildError(RuntimeError):
@@ -36,7 +42,14 @@ class LlamaCppBuildError(RuntimeError):
 
 
 def build_dir(version: str = VERSION) -> Path:
-    return cache_dir() / "llama.cpp" / version
+    return cache_dir() / "llama.cpp" / f"{version}-{BUILD_TAG}"
+
+
+def cmake_flags() -> list[str]:
+    flags = list(CMAKE_FLAGS)
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags += [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return flags
 
 
 def _run(cmd: list[str], log: Path, what: str, cwd: Path | None = None) -> None:
@@ -87,7 +100,7 @@ def llama_server(version: str = VERSION, jobs: int | None = None) -> Path:
     src = _sources(root, version, log)
     logger.info("building llama.cpp's llama-server from %s (log: %s)", src, log)
     build = root / "build"
-    _run(["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], log, "cmake configure")
+    _run(["cmake", "-S", str(src), "-B", str(build), *cmake_flags()], log, "cmake configure")
     jobs = jobs or len(os.sched_getaffinity(0))
     _run(["cmake", "--build", str(build), "-j", str(jobs), "--target", *TARGETS], log, "cmake build")
     if not binary.is_file():
