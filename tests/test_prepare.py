@@ -1,5 +1,6 @@
 """The embedded default pair: CHAMP split, the student's pieces, `tokenrouter prepare` in its
-reduced CI setting on the real SmolLM2, the served default answering a chat request, and `eval`.
+reduced CI setting on the real SmolLM2, the served default answering a chat request (and, before the
+pair is prepared, SmolLM2 alone at once, then the switch to the pair, or why not), and `eval`.
 
 The quick pair's student has trained for four steps: its text is noise. What the tests check of it is
 the plumbing (shared tokenizer, routers bound to the pair, caching, serving, evaluation), not quality;
@@ -10,6 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import httpx
 import pytest
@@ -284,6 +291,160 @@ def test_served_default_pair_answers_a_chat_request(quick_pair):
     body = r.json()
     assert "Paris" in body["choices"][0]["message"]["content"]
     assert body["routing"]["tokens_per_model"].get("large", 0) == body["usage"]["completion_tokens"]
+
+
+# ---- the default served before its pair is prepared ----------------------------------------------
+def test_stage_eta_follows_the_stages_done():
+    from tokenrouter.training.prepare import remaining_seconds
+
+    expected = {"a": 10.0, "b": 20.0, "c": 30.0}
+    assert remaining_seconds(expected, [], ["a", "b", "c"]) == 60.0  # nothing done yet: the measured figures
+    assert remaining_seconds(expected, [("a", 20.0)], ["b", "c"]) == 100.0  # twice as slow as measured so far
+    assert remaining_seconds(expected, [("a", 5.0), ("b", 10.0)], []) == 0.0
+
+
+def cache_without_pair(cache: Path, to: Path, drop: Path | None = None) -> Path:
+    """The quick pair's cache with no pair made yet (and without `drop`, a path in it): what is left to
+    prepare is the last stage (and `drop`'s). Hard links: the preparation writes no file in place."""
+    def ignore(folder: str, names: list[str]) -> list[str]:
+        return [n for n in names if n in ("pairs", "prepare.lock") or Path(folder, n) == cache / (drop or "")]
+
+    shutil.copytree(cache, to, ignore=ignore, copy_function=os.link)
+    return to
+
+
+CHAT = {"model": "default", "max_tokens": 16, "ignore_eos": True, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is 6 times 7?"}]}
+
+
+def serving_card(srv: ServerProcess) -> dict:
+    return httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"][0]
+
+
+def answered_by(outcome: httpx.Response | Exception, serving: str) -> bool:
+    return (isinstance(outcome, httpx.Response) and outcome.status_code == 200
+            and outcome.json()["routing"]["serving"] == serving)
+
+
+def test_default_answers_with_smollm2_at_once_then_switches_to_the_pair(quick_pair, tmp_path):
+    """No pair yet: SmolLM2 answers alone while the pair is prepared in the background (here its last
+    stage), then the server switches with requests running: every request completes, SmolLM2's
+    finish there, later ones run on the pair, and SmolLM2's group stops holding no KV page."""
+    cache = cache_without_pair(quick_pair[0], tmp_path / "cache")
+    env = {"TOKENROUTER_CACHE": str(cache), "TOKENROUTER_PREPARE": "quick"}
+    # SmolLM2's steps on one thread: on a small machine the pair's start gets the other cores.
+    srv = ServerProcess(["--grace-period", "5", "--no-share-cores"], env=env, startup_timeout=180, log_dir=tmp_path)
+    outcomes: list[httpx.Response | Exception] = []  # every request's, in the order they ended
+    stop = threading.Event()
+
+    def client() -> None:  # back to back, so requests are running whenever the switch comes
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            while not stop.is_set() and len(outcomes) < 300:
+                try:
+                    outcomes.append(http.post("/v1/chat/completions", json=CHAT))
+                except httpx.HTTPError as e:
+                    outcomes.append(e)
+
+    def until(done: Callable[[dict], bool]) -> dict:
+        card = serving_card(srv)
+        while not done(card["serving"]["pair"]) and card["serving"]["pair"]["state"] != "failed" \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+            card = serving_card(srv)
+        return card
+
+    clients = [threading.Thread(target=client) for _ in range(2)]
+    deadline = time.monotonic() + 300
+    try:
+        first = httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, timeout=60).json()
+        before = serving_card(srv)
+        # The clients start with the pair's start (seconds of spawning and loading), not to slow the preparation.
+        until(lambda pair: pair["state"] != "preparing")
+        for t in clients:
+            t.start()
+        card = until(lambda pair: pair["drained"] is not None)
+        while not any(answered_by(o, "pair") for o in list(outcomes)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stop.set()
+        for t in clients:
+            t.join(90)
+        with httpx.stream("POST", f"{srv.url}/v1/chat/completions", json={**CHAT, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    finally:
+        stop.set()
+        assert srv.stop() == 0 and not srv.alive_pids()
+    log = srv.log_path.read_text()
+
+    # before: SmolLM2 alone, said by the response and the card, while the pair is on its way
+    assert first["choices"][0]["routing"]["tokens_per_model"] == {"smollm2": 16}
+    assert first["routing"]["serving"] == "smollm2-alone" and before["members"] == ["smollm2"]
+    assert before["serving"]["group"] == "smollm2-alone" and before["serving"]["pair"]["state"] != "failed"
+    # across the switch: nothing failed, requests were running on SmolLM2 and ended there, no page left
+    assert [o.status_code if isinstance(o, httpx.Response) else repr(o) for o in outcomes] == [200] * len(outcomes)
+    pair = card["serving"]["pair"]
+    assert card["serving"]["group"] == "pair" and pair["state"] == "serving" and card["members"] == ["small", "large"]
+    assert pair["in_flight_at_switch"] >= 1 and pair["drained"] == {"requests": pair["in_flight_at_switch"],
+                                                                   "pages_held": 0}
+    alone = [o.json()["routing"] for o in outcomes if answered_by(o, "smollm2-alone")]
+    on_pair = [o.json()["routing"] for o in outcomes if answered_by(o, "pair")]
+    assert len(alone) + len(on_pair) == len(outcomes) and alone and on_pair
+    assert all(r["tokens_per_model"] == {"smollm2": 16} for r in alone)
+    assert all(set(r["tokens_per_model"]) <= {"small", "large"} and sum(r["tokens_per_model"].values()) == 16
+               for r in on_pair)
+    assert chunks[-1]["routing"]["serving"] == "pair"
+    # the log tells the stages with the ETA, and the switch
+    assert "routed pair: [1/1] choose the served operating point (about" in log
+    assert "switched to the routed pair" in log and "KV pages held: 0" in log
+
+
+def test_smollm2_serves_first_only_before_the_pair_is_prepared(quick_pair, tmp_path, monkeypatch, capsys):
+    from tokenrouter import cli
+
+    def first(*flags: str) -> tuple | None:
+        return cli.default_before_pair(cli.build_parser().parse_args(["serve", *flags]), lambda group: group)
+
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(cache_without_pair(quick_pair[0], tmp_path / "cache")))
+    monkeypatch.setenv("TOKENROUTER_PREPARE", "quick")
+    alone, upgrade = first()
+    assert alone.names == ["smollm2"] and alone.algorithm == "single" and alone.name == "default"
+    assert alone.models[0].engine.mem_fraction == cli.ALONE_MEM_FRACTION and upgrade.status.state == "preparing"
+    assert "--wait-for-pair" in capsys.readouterr().err
+    assert first("--wait-for-pair") is None  # group_from_args prepares the pair first, as before
+    with pytest.raises(ValueError, match="--kv-cache-tokens configures one model and has no effect on the embedded"):
+        first("--kv-cache-tokens", "4096")
+    with pytest.raises(ValueError, match="--wait-for-pair is for the embedded default"):
+        first("--model-path", str(tmp_path), "--wait-for-pair")
+    monkeypatch.setenv("TOKENROUTER_CACHE", str(quick_pair[0]))  # prepared: the pair serves from the start
+    assert first() is None
+
+
+def test_a_failed_preparation_leaves_smollm2_serving_and_says_why(quick_pair, tmp_path):
+    from tokenrouter.training import prepare
+
+    # A file where the CITER router's folder goes: its stage trains the router, then cannot put it there.
+    citer = Path("routers") / f"citer-{prepare.quick_settings().router_key('citer')}"
+    cache = cache_without_pair(quick_pair[0], tmp_path / "cache", drop=citer)
+    (cache / citer).write_text("not a router folder")
+    env = {"TOKENROUTER_CACHE": str(cache), "TOKENROUTER_PREPARE": "quick"}
+    srv = ServerProcess(["--grace-period", "5"], env=env, startup_timeout=180, log_dir=tmp_path)
+    try:
+        deadline, card = time.monotonic() + 240, serving_card(srv)
+        while card["serving"]["pair"]["state"] == "preparing" and time.monotonic() < deadline:
+            time.sleep(0.5)
+            card = serving_card(srv)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=CHAT, timeout=60)
+        health = httpx.get(f"{srv.url}/health", timeout=30)
+    finally:
+        assert srv.stop() == 0 and not srv.alive_pids()
+    log = srv.log_path.read_text()
+
+    pair = card["serving"]["pair"]
+    assert pair["state"] == "failed" and card["serving"]["group"] == "smollm2-alone"
+    assert pair["reason"].startswith("stage 'train the citer router' failed: NotADirectoryError")
+    assert f"the routed pair will not serve: {pair['reason']}. SmolLM2 goes on serving alone" in log
+    assert r.status_code == 200 and health.status_code == 200 and card["members"] == ["smollm2"]
+    assert r.json()["routing"]["serving"] == "smollm2-alone"
 
 
 def test_eval_reports_every_system(quick_pair, monkeypatch, tmp_path):

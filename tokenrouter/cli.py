@@ -9,6 +9,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -62,10 +63,14 @@ _PER_MODEL_FLAGS: dict[str, tuple[str, object]] = {}
 _YAML_FIELD = {"disable_radix_cache": "enable_prefix_cache: false", "num_threads": "threads"}
 
 
-def _refuse_per_model_flags(args: argparse.Namespace) -> None:
-    """With --config the engine flags would be silently ignored: name the first one given."""
+def _refuse_per_model_flags(args: argparse.Namespace, served: str | None = None) -> None:
+    """With --config (or `served`, the group served instead of one model) the engine flags would be
+    silently ignored: name the first one given."""
     for dest, (flag, default) in _PER_MODEL_FLAGS.items():
         if getattr(args, dest, default) != default:
+            if served is not None:
+                raise ValueError(f"{flag} configures one model and has no effect on {served}: give --model-path "
+                                 "to serve one model with it")
             raise ValueError(f"{flag} configures one model and has no effect with a group config ({args.config}): "
                              f"set `{_YAML_FIELD.get(dest, dest)}` per model under `models:` in the YAML")
 
@@ -206,10 +211,48 @@ def add_group_args(p: argparse.ArgumentParser) -> None:
                         "e.g. p=0.2 or tau=0.9")
 
 
+# Load adaptation's flags by the AdaptConfig field each sets (runtime/adapt_config.py).
+ADAPT_FLAGS = {"target_tpot_ms": "--target-tpot-ms", "floor": "--adapt-floor", "window": "--adapt-window"}
+
+
+def add_adapt_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("load adaptation")
+    g.add_argument("--target-tpot-ms", type=float, default=None,
+                   help="hold this p99 time per output token (over each --adapt-window) by moving the routing "
+                        "algorithm's share knob toward fewer large-model tokens under load, and back when it falls")
+    g.add_argument("--adapt-floor", type=float, default=None,
+                   help="the knob value the adaptation stops at (default: about half the served point's "
+                        "large-model share; docs/DEPLOYMENT.md)")
+    g.add_argument("--adapt-window", type=float, default=None,
+                   help="seconds per measurement window; the knob moves once per window (default 10)")
+
+
+def with_adaptation(group: object, args: argparse.Namespace) -> object:
+    """The group with the adaptation flags over its `adapt:` section, checked against its algorithm
+    before anything starts; a bad value is refused naming its flag."""
+    from tokenrouter.routing import make_algorithm
+    from tokenrouter.runtime.adapt_config import AdaptConfig, AdaptConfigError, knob_range
+
+    given = {f: getattr(args, flag[2:].replace("-", "_")) for f, flag in ADAPT_FLAGS.items()}
+    given = {f: v for f, v in given.items() if v is not None}
+    base = group.adapt  # type: ignore[attr-defined]
+    if not given and base is None:
+        return group
+    try:
+        if base is None and "target_tpot_ms" not in given:
+            flags = ", ".join(ADAPT_FLAGS[f] for f in given)
+            raise AdaptConfigError("target_tpot_ms", f"is needed: {flags} tune the adaptation it turns on")
+        cfg = AdaptConfig(**given) if base is None else dataclasses.replace(base, **given)
+        algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)  # type: ignore[attr-defined]
+        knob_range(cfg, algorithm)
+    except AdaptConfigError as e:
+        flag = e.field in given or base is None  # else the YAML's adapt section set it: name that field
+        raise ValueError(f"{ADAPT_FLAGS[e.field]} {e.problem}" if flag else str(e)) from None
+    return dataclasses.replace(group, adapt=cfg)  # type: ignore[call-overload]
+
+
 def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
     """The routed group to serve (a YAML config, or one model from the engine flags) and its name."""
-    from tokenrouter.engine.config import EngineConfig
-    from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
     from tokenrouter.training.default_model import default_model
     from tokenrouter.training.prepare import default_pair_config
 
@@ -231,13 +274,60 @@ def group_from_args(args: argparse.Namespace) -> tuple[object, str]:
         name = "default"
     else:
         name = os.path.basename(os.path.normpath(path))
-    kw = engine_kwargs(args)
+    group = one_model_group(args, path, args.served_model_name or name, args.served_model_name or name)
+    return group, group.name  # type: ignore[attr-defined]
+
+
+def one_model_group(args: argparse.Namespace, path: str, model: str, name: str, **engine: object) -> object:
+    """The group `name` of one model, `model`, from folder `path` with the engine flags (`engine`
+    overrides some)."""
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
+
+    kw = {**engine_kwargs(args), **engine}
     if kw["device"] == "auto":
         kw["device"] = "cpu"  # a served model runs where it is told (as a group's models do)
-    spec = ModelSpec(name=re.sub(r"[^A-Za-z0-9_-]", "-", args.served_model_name or name),
+    spec = ModelSpec(name=re.sub(r"[^A-Za-z0-9_-]", "-", model),
                      engine=EngineConfig(model_path=path, **kw))  # type: ignore[arg-type]
-    group = GroupConfig(models=[spec], algorithm="single", name=args.served_model_name or name, seed=args.seed)
-    return group, group.name
+    return GroupConfig(models=[spec], algorithm="single", name=name, seed=args.seed)
+
+
+# SmolLM2's KV pool while it serves alone, as a share of free memory (a served model's default is 0.2 on
+# CPU): the preparation needs memory (7 GB at its peak), and the pair's pools are sized from what is
+# free when it starts, beside SmolLM2, and kept for the server's life.
+ALONE_MEM_FRACTION = 0.05
+
+
+def default_before_pair(args: argparse.Namespace, tune: Callable[[object], object]) -> tuple[object, object] | None:
+    """With no model given (nor --config, nor --wait-for-pair) and the embedded default routed pair not
+    prepared yet: SmolLM2 alone, to serve at once, and the PairUpgrade that prepares the pair in a
+    process of its own and then switches to it (its group through `tune`, as any served group).
+    None otherwise: group_from_args has what to serve."""
+    from tokenrouter.server.pair_upgrade import PairUpgrade
+    from tokenrouter.training.default_model import ensure_smollm2
+    from tokenrouter.training.prepare import default_pair_settings, prepared_config
+
+    if args.config is not None or args.model_path is not None:
+        if args.wait_for_pair:
+            raise ValueError("--wait-for-pair is for the embedded default routed pair: it has no effect with "
+                             "--model-path or --config")
+        return None
+    if args.wait_for_pair:
+        return None
+    settings = default_pair_settings()
+    if settings is None or prepared_config(settings) is not None:
+        return None
+    _refuse_per_model_flags(args, "the embedded default routed pair")
+    print("note: no --model-path given; SmolLM2-135M-Instruct serves alone while the embedded default routed pair "
+          "is prepared in the background, then the pair serves (--wait-for-pair: prepare it first)", file=sys.stderr)
+    alone = one_model_group(args, str(ensure_smollm2()), "smollm2", args.served_model_name or "default",
+                            mem_fraction=ALONE_MEM_FRACTION)
+
+    def load(config: str) -> object:
+        return tune(load_group(argparse.Namespace(**{**vars(args), "config": config})))
+
+    command = [sys.executable, "-m", "tokenrouter.training.background_prepare"]
+    return alone, PairUpgrade(command, load, args.restart_on_failure)  # type: ignore[arg-type]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -248,14 +338,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenrouter.server.serve import serve
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    group, name = group_from_args(args)
-    if args.no_share_cores:
-        group = dataclasses.replace(group, launch=dataclasses.replace(group.launch, share_cores=False))  # type: ignore[attr-defined]
+
+    def cores(group: object) -> object:
+        if not args.no_share_cores:
+            return group
+        return dataclasses.replace(group, launch=dataclasses.replace(group.launch, share_cores=False))  # type: ignore
+
+    def tune(group: object) -> object:
+        return cores(with_adaptation(group, args))
+
+    before_pair = default_before_pair(args, tune)
+    if before_pair is None:
+        group, name = group_from_args(args)
+        group, upgrade = tune(group), None
+    else:  # SmolLM2 alone has no share knob to adapt: the flags are for the pair
+        group, upgrade = cores(before_pair[0]), before_pair[1]
+        name = args.served_model_name or "default"
     limits = RequestLimits(args.max_prompt_chars, args.max_stop_strings, args.max_stop_chars, args.max_stop_token_ids)
     server_cfg = ServerConfig(name, args.api_key, args.max_body_bytes, args.request_timeout,  # type: ignore[arg-type]
                               limits, args.tokenizer_threads, args.chat_special_tokens, ui=not args.no_ui)
     serve(group, server_cfg, host=args.host, port=args.port, grace_period=args.grace_period,  # type: ignore[arg-type]
-          log_level=args.log_level, restart_on_failure=args.restart_on_failure, header_timeout=args.header_timeout)
+          log_level=args.log_level, restart_on_failure=args.restart_on_failure, header_timeout=args.header_timeout,
+          upgrade=upgrade)  # type: ignore[arg-type]
     return 0
 
 
@@ -402,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-share-cores", action="store_true",
                     help="keep each model on its --num-threads / `threads` (launch.share_cores: false); by default "
                     "a CPU subserver runs a step of few rows on every core while no other model steps")
+    sv.add_argument("--wait-for-pair", action="store_true",
+                    help="with no model given: prepare the embedded default routed pair first and serve only "
+                    "then (by default SmolLM2 serves alone at once while the pair is prepared in the background)")
+    add_adapt_args(sv)
     sv.set_defaults(func=cmd_serve)
 
     pf = sub.add_parser("profile", help="measure a model's step latency into a latency profile (JSON)")

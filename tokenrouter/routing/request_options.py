@@ -6,6 +6,9 @@ group's algorithm (RoutingAlgorithm.request_params).
   (RoutingAlgorithm.route_traced); without it the runtime carries none of this.
 - `model` (a model name): that model alone writes the whole request; no routing decision is taken
   for it (the way to compare an answer with each model's own).
+- `adapt` (bool, default true): whether the server's load adaptation (`--target-tpot-ms`,
+  runtime/adaptation.py) may serve the request at a moved value of the algorithm's share knob; false
+  keeps it at the group's served point (or at its own value of the knob, which is never moved).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from typing import Any
 
 from tokenrouter.routing.algorithm import RoutingParamError
 
-RUNTIME_FIELDS = ("trace", "model")
+RUNTIME_FIELDS = ("trace", "model", "adapt")
 
 
 @dataclass(frozen=True)
 class RequestOptions:
     trace: bool = False
     model: str | None = None  # the one model that writes the request; None: the algorithm routes it
+    adapt: bool = True  # load adaptation may move its share knob
 
 
 def split_routing(routing: Mapping[str, Any] | None, models: Sequence[str]
@@ -39,5 +43,8 @@ def split_routing(routing: Mapping[str, Any] | None, models: Sequence[str]
     model = routing.get("model")
     if model is not None and (not isinstance(model, str) or model not in models):
         raise RoutingParamError("model", f"must be one of the group's models {list(models)}, got {model!r}")
+    adapt = routing.get("adapt", True)
+    if not isinstance(adapt, bool):
+        raise RoutingParamError("adapt", f"must be true or false, got {adapt!r}")
     rest = {k: v for k, v in routing.items() if k not in RUNTIME_FIELDS}
-    return RequestOptions(trace, model), rest
+    return RequestOptions(trace, model, adapt), rest

@@ -39,6 +39,9 @@ class AdmittedPlan:
     routing: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The runtime's fields of the request's `routing` object: a per-token trace, one model alone.
     options: RequestOptions = RequestOptions()
+    # The routing parameters the request set itself (the rest of `routing` are the group's): load
+    # adaptation never moves a value the request chose.
+    own_params: frozenset[str] = frozenset()
 
     def model_params(self) -> SamplingParams:
         """What the subservers see: stop strings are matched at the entry, where the whole text is."""
@@ -117,7 +120,7 @@ class AdmissionRules:
             reserve = {options.model: reserve[options.model]}  # the routed requests' reservations stay true
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         plan = AdmittedPlan(list(prompt_ids), params, seed, reserve if len(self.pools) > 1 else {}, resolved,
-                            options)
+                            options, frozenset(overrides))
         try:  # it must fit the wire format (msgpack integers are 64-bit), or sending it would fail later
             encode(AddReq("", plan.prompt_ids, plan.model_params(), seed, resolved))
         except (OverflowError, TypeError, msgspec.EncodeError) as e:

@@ -3,9 +3,9 @@
 It composes parts kept one file each: the SubserverPool (the processes and the sockets to them),
 admission (a request is checked once into an AdmittedPlan, which waits in the AdmissionQueue for
 room in every KV pool it may need), the Reassembly of each request's tokens (in position order,
-with stop strings and text release), and the launch planner. New requests and aborts go out to the subservers; committed
-tokens (each with its absolute position and the model that wrote it) and finishes come back and
-leave as TokenOut and Done events.
+with stop strings and text release), the launch planner and load adaptation (adaptation.py). New
+requests and aborts go out to the subservers; committed tokens (each with its absolute position and
+the model that wrote it) and finishes come back and leave as TokenOut and Done events.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
+from tokenrouter.runtime.adaptation import Adaptation
 from tokenrouter.runtime.admission import AdmissionQueue, AdmissionRules, AdmittedPlan
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.launch_planner import make_planner
@@ -84,6 +85,9 @@ class Entry:
         self.group = group
         self.detokenize = detokenize
         self.algorithm = make_algorithm(group.algorithm, group.names, group.algorithm_params)
+        # Before any subserver starts: a floor on the wrong side of the served point is refused here.
+        self.adaptation = (Adaptation(group.adapt, self.algorithm, time.monotonic())
+                           if group.adapt is not None else None)
         self.visit = self.algorithm.may_visit()
         self.pool = SubserverPool(group)
         self.reqs: dict[str, EntryReq] = {}  # by caller's rid
@@ -191,6 +195,8 @@ class Entry:
         try:
             while (req := self.admission.pop_admissible()) is not None:
                 req.admitted = True
+                if self.adaptation is not None:
+                    req.plan = self.adaptation.start(req.wire, req.plan)
                 plan = req.plan
                 alone = plan.options.model  # one model writes it all: it starts there
                 self.pool.send(alone or self.algorithm.entry_model,
@@ -225,6 +231,8 @@ class Entry:
         req.out.finish()
         self.reqs.pop(req.rid, None)
         self._by_wire.pop(req.wire, None)
+        if self.adaptation is not None:
+            self.adaptation.finish(req.wire)
         if req.admitted:
             self.admission.release(req)
             if req.final is None:
@@ -285,6 +293,8 @@ class Entry:
             table = self.planner.poll()
             if table is not None:
                 self.pool.send(self.group.names[1], SetThresholds(table))
+        if self.adaptation is not None:
+            self.adaptation.poll(time.monotonic())
         self.pool.check_alive()
         return events
 
@@ -298,6 +308,10 @@ class Entry:
                 self.planner.observe(prev, tok.model, req.since_large)
                 req.since_large = 0 if tok.model == self.planner.large else req.since_large + 1
                 prev = tok.model
+        if self.adaptation is not None and new:
+            now = time.monotonic()
+            for tok in new:
+                self.adaptation.token(req.wire, tok.model, now)
         events.extend(new)
         if out.stop is not None:
             self._end(req, "stop", out.stop)

@@ -20,6 +20,7 @@ from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.launch_policy import Thresholds, check_deadlock_free
 from tokenrouter.routing import absolute_spec, algorithm_class
+from tokenrouter.runtime.adapt_config import AdaptConfig
 from tokenrouter.runtime.transport_security import CurveKeys, keys_from_secret
 
 logger = logging.getLogger(__name__)
@@ -262,6 +263,9 @@ class GroupConfig:
     # Router folders by kind ({citer: PATH, r2r: PATH, co_llm: PATH}): `--algorithm KIND` on the
     # command line serves KIND with the folder named here (and its calibrated threshold).
     routers: dict[str, str] = field(default_factory=dict)
+    # Load adaptation (runtime/adapt_config.py): hold a p99 TPOT target by moving the algorithm's share
+    # knob toward a floor under load. None: every request runs at the served point.
+    adapt: AdaptConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.models:
@@ -364,7 +368,7 @@ class GroupConfig:
             algo = algo.get("name", "single")
         if isinstance(algo, str):
             algo = absolute_spec(algo, base)
-        sections = {"launch": LaunchConfig, "executor": ExecutorConfig, "ray": RayConfig}
+        sections = {"launch": LaunchConfig, "executor": ExecutorConfig, "ray": RayConfig, "adapt": AdaptConfig}
         rest = {k: v for k, v in d.items() if k not in ("models", "algorithm", "algorithm_params", "seed")}
         _unknown("the group config", rest, {f.name for f in dataclasses.fields(cls)})
         for key, section in sections.items():
@@ -386,4 +390,8 @@ class GroupConfig:
         d["models"] = [m.to_dict() for m in self.models]
         for key in ("launch", "executor", "ray"):
             d[key] = d[key].to_dict()
+        if self.adapt is None:
+            del d["adapt"]
+        else:
+            d["adapt"] = self.adapt.to_dict()
         return d

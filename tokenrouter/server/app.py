@@ -19,8 +19,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from tokenrouter.runtime.adaptation import AdaptState
 from tokenrouter.version import __version__
-from tokenrouter.server.async_entry import AsyncEntry, TokenOut
+from tokenrouter.server.async_entry import TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
 from tokenrouter.server.choices import ChoiceRunner
 from tokenrouter.server.generation import finish_reason, routing, total_routing, trace_entries, usage
@@ -40,6 +41,7 @@ from tokenrouter.server.protocol import (
     public_message,
     validation_message,
 )
+from tokenrouter.server.runtime_switch import Runtime
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,10 +87,12 @@ def _check_bearer(header: str, api_key: str) -> bool:
 
 class OpenAIServer:
     """The handlers of the HTTP API and what they share: the group, the tokenizer and its thread pool,
-    the metrics. build_app wires them into a FastAPI app."""
+    the metrics. build_app wires them into a FastAPI app. `serving` gives the model card's `serving`
+    (server/pair_upgrade.py); None: the card has none."""
 
-    def __init__(self, runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> None:
-        self.runtime, self.tokenizer, self.cfg = runtime, tokenizer, cfg
+    def __init__(self, runtime: Runtime, tokenizer: Any, cfg: ServerConfig,
+                 serving: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.runtime, self.tokenizer, self.cfg, self.serving = runtime, tokenizer, cfg, serving
         self.metrics = ServerMetrics(cfg.model_name)
         self.created = int(time.time())  # the model card's `created`: when this server started
         # Parsing a large body and tokenising a long prompt take seconds: on the event loop they would
@@ -305,7 +309,12 @@ class OpenAIServer:
         folder the server's tokenizer comes from; `members` (extension) names the group's models, and
         `routing` (extension) the algorithm: its per-request parameters with the group's values, the
         one that sets the other models' share (`share_knob`, and whether raising it raises the share),
-        and what its per-token score is (`score`, None: it has none)."""
+        what its per-token score is (`score`, None: it has none), and, on a server that adapts to load,
+        the adaptation's live state (`adaptive`: the knob's value now, its served point and floor, the
+        target and the last window's p99 TPOT and token shares). The embedded default served
+        before its routed pair was prepared adds `serving` (extension): what serves (`group`, as each
+        response's `routing.serving`) and the pair's preparation, start and switch, or why it failed
+        (`pair`; server/pair_upgrade.py)."""
         self.check_auth(request)
         entry = self.runtime.entry
         root = self.runtime.group.spec(entry.algorithm.entry_model).engine.model_path if entry else None
@@ -317,7 +326,8 @@ class OpenAIServer:
                             "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
                             "allow_fine_tuning": False, "organization": "*", "group": None,
                             "is_blocking": False}],
-            "members": self.runtime.group.names, "routing": self.routing_card()}]})
+            "members": self.runtime.group.names, "routing": self.routing_card(),
+            **({"serving": self.serving()} if self.serving else {})}]})
 
     def routing_card(self) -> dict[str, Any] | None:
         entry = self.runtime.entry
@@ -325,8 +335,15 @@ class OpenAIServer:
             return None
         algo = entry.algorithm
         knob = algo.share_knob
-        return {"algorithm": algo.name, "params": algo.request_defaults(), "score": algo.score_name,
+        card = {"algorithm": algo.name, "params": algo.request_defaults(), "score": algo.score_name,
                 "share_knob": knob[0] if knob else None, "knob_raises_share": knob[1] if knob else None}
+        adapt = self.adaptive_state()
+        return card if adapt is None else {**card, "adaptive": adapt.to_dict()}
+
+    def adaptive_state(self) -> AdaptState | None:
+        """Load adaptation as of its last window (None: the server does not adapt)."""
+        entry = self.runtime.entry
+        return entry.adaptation.state if entry is not None and entry.adaptation is not None else None
 
     async def health(self) -> Response:
         if self.runtime.healthy:
@@ -338,11 +355,13 @@ class OpenAIServer:
         self.check_auth(request)
         stats = await self.runtime.stats() if self.runtime.healthy else {}
         waiting, running = self.runtime.queue_lengths()
-        return Response(self.metrics.render(stats, waiting, running), media_type="text/plain; version=0.0.4")
+        return Response(self.metrics.render(stats, waiting, running, self.adaptive_state()),
+                        media_type="text/plain; version=0.0.4")
 
 
-def build_app(runtime: AsyncEntry, tokenizer: Any, cfg: ServerConfig) -> FastAPI:
-    server = OpenAIServer(runtime, tokenizer, cfg)
+def build_app(runtime: Runtime, tokenizer: Any, cfg: ServerConfig,
+              serving: Callable[[], dict[str, Any]] | None = None) -> FastAPI:
+    server = OpenAIServer(runtime, tokenizer, cfg, serving)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -37,6 +37,7 @@ class RequestStream:
     rid: str
     prompt_len: int
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    serving: str | None = None  # what served it, when the server says (runtime_switch.py): routing.serving
 
 
 class EntryUnavailable(RuntimeError):
@@ -78,6 +79,11 @@ class AsyncEntry:
     @property
     def error(self) -> BaseException | None:
         return self._error
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted whose Done has not been handed to the event loop yet."""
+        return len(self._streams)
 
     def close(self) -> None:
         self._stop.set()

@@ -16,10 +16,11 @@ from fastapi import Request
 from tokenrouter.engine.request_validation import InvalidRequest
 from tokenrouter.routing import RoutingParamError
 from tokenrouter.sampling_params import SamplingParams
-from tokenrouter.server.async_entry import AsyncEntry, Done, EntryUnavailable, TokenOut
+from tokenrouter.server.async_entry import Done, EntryUnavailable, TokenOut
 from tokenrouter.server.generation import Generation, finish_reason, merged, routing, sse, usage
 from tokenrouter.server.metrics import ServerMetrics
 from tokenrouter.server.protocol import APIError, public_message
+from tokenrouter.server.runtime_switch import Runtime
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class ChoiceRunner:
     """Owns nothing but references: the group's entry, the server's metrics and its time limit per
     request (seconds; None: none)."""
 
-    def __init__(self, runtime: AsyncEntry, metrics: ServerMetrics, request_timeout: float | None) -> None:
+    def __init__(self, runtime: Runtime, metrics: ServerMetrics, request_timeout: float | None) -> None:
         self.runtime, self.metrics, self.request_timeout = runtime, metrics, request_timeout
 
     # ---- admission: the request is checked once, by the runtime's rules, into the plan it runs ----

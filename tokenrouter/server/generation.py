@@ -92,7 +92,8 @@ def usage(gens: list[Generation], n: int) -> dict[str, int]:
 
 def routing(gen: Generation, writers: bool = False) -> dict[str, Any]:
     """Tokens per model, hand-offs performed (PeerReqs sent) and the routing parameters used; with
-    `writers`, the model that wrote each token too."""
+    `writers`, the model that wrote each token too; `serving`, what served it, where the server says
+    (the default model's SmolLM2 alone while its routed pair is prepared, then the pair)."""
     if gen.done is not None and gen.done.tokens_per_model:
         per_model = gen.done.tokens_per_model
     else:
@@ -103,6 +104,8 @@ def routing(gen: Generation, writers: bool = False) -> dict[str, Any]:
                            "params": (gen.done.routing or {}) if gen.done else {}}
     if writers:
         out["token_models"] = [t.model for t in gen.tokens]
+    if gen.stream.serving is not None:
+        out["serving"] = gen.stream.serving
     return out
 
 
@@ -128,7 +131,11 @@ def total_routing(gens: list[Generation], writers: bool = False) -> dict[str, An
     for gen in gens:
         for model, count in routing(gen)["tokens_per_model"].items():
             per_model[model] = per_model.get(model, 0) + count
-    return {"tokens_per_model": per_model, "handoffs": sum(g.done.handoffs if g.done else 0 for g in gens)}
+    out: dict[str, Any] = {"tokens_per_model": per_model,
+                           "handoffs": sum(g.done.handoffs if g.done else 0 for g in gens)}
+    if gens[0].stream.serving is not None:  # a request's choices are submitted together, to one group
+        out["serving"] = gens[0].stream.serving
+    return out
 
 
 def finish_reason(done: Done) -> str:

@@ -1,5 +1,6 @@
 """Prometheus metrics of the server: request and token counters kept here, plus per-model engine
-figures (KV use, queues, step latency histograms) read from the subservers at scrape time.
+figures (KV use, queues, step latency histograms) read from the subservers at scrape time, and load
+adaptation's gauges (tokenrouter_adaptive_*) when the server adapts.
 
 Each figure exists in our own names (tokenrouter_*) and, where vLLM has one, in vLLM's (vllm:*) so
 that vLLM dashboards work unchanged. vLLM's carry a `model_name` label: the served name for the
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from tokenrouter.runtime.adaptation import AdaptState
 from tokenrouter.runtime.messages import STEP_LATENCY_BUCKETS, Stats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -109,6 +111,45 @@ class _EngineCollector(Collector):
             yield fam
 
 
+class _AdaptCollector(Collector):
+    """Load adaptation's live figures (runtime/adaptation.py), when the server adapts: the share knob's
+    value now and its bounds (labelled with the algorithm and the knob's name), the TPOT target, the
+    last window's p99 TPOT of adapting requests and each member's share of their tokens."""
+
+    def __init__(self, group_name: str) -> None:
+        self.group_name = group_name
+        self.state: AdaptState | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        st = self.state
+        if st is None:
+            return
+        knob_labels = ["model_name", "algorithm", "param"]
+        for name, doc, value in (("knob", "The share knob's value adapting requests start with now", st.value),
+                                 ("knob_served", "The share knob's served point (the adaptation's upper bound)",
+                                  st.served),
+                                 ("knob_floor", "The share knob's floor (the adaptation's lower bound)", st.floor)):
+            fam = GaugeMetricFamily(f"tokenrouter_adaptive_{name}", doc, labels=knob_labels)
+            fam.add_metric([self.group_name, st.algorithm, st.param], value)
+            yield fam
+        fam = GaugeMetricFamily("tokenrouter_adaptive_target_tpot_seconds", "The p99 time per output token held",
+                                labels=["model_name"])
+        fam.add_metric([self.group_name], st.target_s)
+        yield fam
+        fam = GaugeMetricFamily("tokenrouter_adaptive_tpot_p99_seconds",
+                                "p99 time per output token of adapting requests over the last window "
+                                "(absent when none streamed)", labels=["model_name"])
+        if st.p99_s is not None:
+            fam.add_metric([self.group_name], st.p99_s)
+        yield fam
+        fam = GaugeMetricFamily("tokenrouter_adaptive_token_share",
+                                "Each member's share of adapting requests' tokens over the last window",
+                                labels=["model_name"])
+        for model, share in st.shares.items():
+            fam.add_metric([model], share)
+        yield fam
+
+
 class ServerMetrics:
     def __init__(self, group_name: str) -> None:
         self.group_name = group_name
@@ -143,6 +184,8 @@ class ServerMetrics:
                                   ["model_name"], buckets=_VLLM_E2E_BUCKETS, registry=r)
         self.engine = _EngineCollector(group_name)
         r.register(self.engine)
+        self.adapt = _AdaptCollector(group_name)
+        r.register(self.adapt)
 
     def finished(self, reason: str, prompt_tokens: int, tokens_per_model: dict[str, int], handoffs: int,
                  e2e: float, ttft: float | None, itl: list[float]) -> None:
@@ -167,8 +210,9 @@ class ServerMetrics:
         for gap in itl:
             itl_hist.observe(gap)
 
-    def render(self, stats: dict[str, Stats], waiting: int, running: int) -> bytes:
+    def render(self, stats: dict[str, Stats], waiting: int, running: int, adapt: AdaptState | None = None) -> bytes:
         self.engine.stats = stats
+        self.adapt.state = adapt
         self.engine.waiting, self.engine.running = waiting, running
         self.waiting.set(waiting)
         self.running.set(running)

@@ -1,4 +1,5 @@
-"""Start the server: the routed group's subservers, the entry thread, and uvicorn."""
+"""Start the server: the routed group's subservers, the entry thread, and uvicorn; with a PairUpgrade
+(the embedded default before its routed pair is prepared), the pair's preparation once serving."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -15,6 +16,8 @@ from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.server.app import ServerConfig, build_app
 from tokenrouter.server.async_entry import AsyncEntry
 from tokenrouter.server.http_protocol import HeaderTimeoutProtocol
+from tokenrouter.server.pair_upgrade import ALONE, PairUpgrade
+from tokenrouter.server.runtime_switch import Runtime, RuntimeSwitch
 
 logger = logging.getLogger(__name__)
 
@@ -28,11 +31,20 @@ class GracefulServer(uvicorn.Server):
     off with no ending a client can recognise. So shortly before that (a second, or half the grace
     period when it is shorter) every request still in flight is ended here with an error (a stream's
     last events are an error event and [DONE]; a non-streaming request gets 503) and aborted on the
-    subservers, and the connections close on their own within the grace period."""
+    subservers, and the connections close on their own within the grace period.
 
-    def __init__(self, config: uvicorn.Config, runtime: AsyncEntry | None = None) -> None:
+    `on_started` runs on the event loop once the server listens."""
+
+    def __init__(self, config: uvicorn.Config, runtime: Runtime | None = None,
+                 on_started: Callable[[asyncio.AbstractEventLoop], None] | None = None) -> None:
         super().__init__(config)
         self.runtime = runtime
+        self.on_started = on_started
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started(asyncio.get_running_loop())
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -64,21 +76,26 @@ class GracefulServer(uvicorn.Server):
 
 def serve(group: GroupConfig, server_cfg: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
           grace_period: float = 30.0, log_level: str = "info", restart_on_failure: bool = False,
-          header_timeout: float = 10.0) -> None:
+          header_timeout: float = 10.0, upgrade: PairUpgrade | None = None) -> None:
     """Serve until SIGINT/SIGTERM: then stop accepting, let in-flight requests finish for up to
     `grace_period` seconds (the rest are aborted), stop every subserver and return. A connection that
-    has not sent a request's complete headers within `header_timeout` seconds is closed."""
+    has not sent a request's complete headers within `header_timeout` seconds is closed. With
+    `upgrade`, `group` is SmolLM2 alone, serving until the upgrade switches to the routed pair."""
     protocol = HeaderTimeoutProtocol.with_header_timeout(header_timeout)
-    runtime = AsyncEntry(group, restart_on_failure=restart_on_failure)
-    runtime.start(timeout=group.startup_timeout + 10)
+    first = AsyncEntry(group, restart_on_failure=restart_on_failure)
+    first.start(timeout=group.startup_timeout + 10)
+    runtime = RuntimeSwitch(first, ALONE if upgrade else None)
     try:
-        assert runtime.entry is not None
-        tokenizer = load_tokenizer(group.spec(runtime.entry.algorithm.entry_model).engine.model_path)
-        app = build_app(runtime, tokenizer, server_cfg)
+        assert first.entry is not None
+        tokenizer = load_tokenizer(group.spec(first.entry.algorithm.entry_model).engine.model_path)
+        app = build_app(runtime, tokenizer, server_cfg, serving=upgrade.card if upgrade else None)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                                 timeout_graceful_shutdown=grace_period, access_log=False)
-        server = GracefulServer(config, runtime)
+        server = GracefulServer(config, runtime,
+                                on_started=(lambda loop: upgrade.start(runtime, loop)) if upgrade else None)
         logger.info("serving %s (%s) on http://%s:%d", server_cfg.model_name, ", ".join(group.names), host, port)
         server.run()
     finally:
+        if upgrade is not None:
+            upgrade.close()
         runtime.close()

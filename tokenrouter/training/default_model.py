@@ -7,6 +7,8 @@ text is meaningless, and the CLI says so.
 
 `tokenrouter serve` with no model serves the default routed pair instead (prepare.py's
 `default_pair_config`): SmolLM2 as the large model with a student trained for it and their routers.
+Before that pair is prepared, SmolLM2 serves alone while the pair is prepared in the background
+(server/pair_upgrade.py; `--wait-for-pair` prepares it first).
 TOKENROUTER_DEFAULT_MODEL=single serves SmolLM2 alone, =random the random model;
 TOKENROUTER_PREPARE=quick prepares the reduced CI pair instead of the full one.
 """

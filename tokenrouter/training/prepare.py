@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -47,6 +47,25 @@ from tokenrouter.training.student import StudentSettings, chat_texts, settings_k
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
 THRESHOLD_PARAM = {kind: algorithm_class(kind).knob_param() for kind in ROUTER_KINDS}  # the algorithms' own
+
+STAGE_CONVERT = f"convert {SMOLLM2_NAME}"
+STAGE_ANSWERS = "answer training problems with the large model"
+STAGE_STUDENT = "train the small model"
+STAGE_POINT = "choose the served operating point"
+
+
+def router_stage(kind: str) -> str:
+    return f"train the {kind} router"
+
+
+# Seconds each stage took on the project's 2-core machine: the full preparation on the quiet machine
+# (docs/QUALITY.md, 2026-12-04), the quick one as `serve` ran it in the background (2026-12-05). The
+# ETA a stage reports is the stages left at these figures, stretched by how the stages already run
+# compared with theirs, so it follows a slower or busier machine as the preparation goes.
+FULL_STAGE_SECONDS = {STAGE_CONVERT: 18.0, STAGE_ANSWERS: 153.0, STAGE_STUDENT: 403.0, router_stage("citer"): 126.0,
+                      router_stage("r2r"): 708.0, router_stage("co_llm"): 119.0, STAGE_POINT: 210.0}
+QUICK_STAGE_SECONDS = {STAGE_CONVERT: 18.0, STAGE_ANSWERS: 17.0, STAGE_STUDENT: 3.0, router_stage("citer"): 2.0,
+                       router_stage("r2r"): 14.0, router_stage("co_llm"): 2.0, STAGE_POINT: 15.0}
 
 
 @dataclass
@@ -193,23 +212,67 @@ def served_algorithm(meta: dict[str, Any], kind: str) -> dict[str, Any] | None:
     return dict(algo)
 
 
-class _Stages:
-    """Numbers the stages a preparation runs (the ones not cached) and says each one's time."""
+@dataclass(frozen=True)
+class StageReport:
+    """A stage of a preparation starting (`seconds` None) or done (`seconds`: its time)."""
 
-    def __init__(self, todo: list[str], say: Any) -> None:
-        self.todo, self.say, self.started = todo, say, time.monotonic()
+    number: int  # 1-based, among the stages this preparation runs (the cached ones are not counted)
+    total: int
+    name: str
+    seconds: float | None
+    elapsed: float  # since the preparation started
+    eta: float  # seconds the preparation has left, estimated (see FULL_STAGE_SECONDS)
+
+    def line(self) -> str:
+        head = f"[{self.number}/{self.total}] {self.name}"
+        if self.seconds is None:
+            return f"{head} (about {duration(self.eta)} left)"
+        return f"{head}: {self.seconds:.0f} s ({self.elapsed:.0f} s since the start)"
+
+
+def duration(seconds: float) -> str:
+    """A rough duration for people: "40 s", "7 min"."""
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def remaining_seconds(expected: dict[str, float], done: list[tuple[str, float]], left: list[str]) -> float:
+    """The ETA of the stages `left`: their expected seconds, scaled by the measured seconds of the
+    stages `done` ((name, seconds) pairs) over their expected ones."""
+    done_expected = sum(expected.get(name, 0.0) for name, _ in done)
+    scale = sum(seconds for _, seconds in done) / done_expected if done_expected > 0 else 1.0
+    return scale * sum(expected.get(name, 0.0) for name in left)
+
+
+class _Stages:
+    """Numbers the stages a preparation runs (the ones not cached) and reports each one's start (with
+    the preparation's ETA) and end (with its time) to `on_stage`, or says them when there is none."""
+
+    def __init__(self, todo: list[str], say: Any, expected: dict[str, float],
+                 on_stage: Callable[[StageReport], None] | None) -> None:
+        self.todo, self.say, self.expected, self.on_stage = todo, say, expected, on_stage
+        self.started = time.monotonic()
+        self.done: list[tuple[str, float]] = []
+
+    def report(self, name: str, seconds: float | None) -> None:
+        number = self.todo.index(name) + 1
+        left = self.todo[number - 1 if seconds is None else number:]
+        r = StageReport(number, len(self.todo), name, seconds, time.monotonic() - self.started,
+                        remaining_seconds(self.expected, self.done, left))
+        if self.on_stage is None:
+            self.say(r.line())
+        else:
+            self.on_stage(r)
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         if name not in self.todo:  # cached
             yield
             return
-        number = self.todo.index(name) + 1
-        self.say(f"[{number}/{len(self.todo)}] {name}")
+        self.report(name, None)
         t0 = time.monotonic()
         yield
-        self.say(f"[{number}/{len(self.todo)}] {name}: {time.monotonic() - t0:.0f} s "
-                 f"({time.monotonic() - self.started:.0f} s since the start)")
+        self.done.append((name, time.monotonic() - t0))
+        self.report(name, self.done[-1][1])
 
 
 @contextlib.contextmanager
@@ -227,9 +290,10 @@ def preparation_lock(folder: Path) -> Iterator[None]:
 
 
 def prepare(settings: PrepareSettings | None = None, progress: bool = True, log: Any = None,
-            threads: int | None = None) -> PreparedPair:
+            threads: int | None = None, on_stage: Callable[[StageReport], None] | None = None) -> PreparedPair:
     """Make (or find) the default pair with its routers; see the module docstring. Training uses
     `threads` torch threads (default: every core; serving processes run with one), restored after.
+    `log` takes the messages, `on_stage` each stage's start and end (without it, `log` says them).
     One preparation runs at a time per cache folder (preparation_lock)."""
     import torch
 
@@ -237,7 +301,7 @@ def prepare(settings: PrepareSettings | None = None, progress: bool = True, log:
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
         with preparation_lock(cache_dir()):
-            return _prepare(settings or PrepareSettings(), progress, log)
+            return _prepare(settings or PrepareSettings(), progress, log, on_stage)
     finally:
         torch.set_num_threads(before)
 
@@ -263,13 +327,19 @@ def split_answers(s: PrepareSettings, exchanges: list[Exchange]) -> tuple[list[E
     return ([e for t in by for e in by[t][:cut[t]]], [e for t in by for e in by[t][cut[t]:]])
 
 
-def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
+def pair_folder(s: PrepareSettings) -> Path:
+    """Where the pair of settings `s` is (or will be): pair.yaml and prepared.json."""
+    return cache_dir() / "pairs" / f"pair-{s.key()}"
+
+
+def _prepare(s: PrepareSettings, progress: bool, log: Any,
+             on_stage: Callable[[StageReport], None] | None) -> PreparedPair:
     from transformers import AutoTokenizer
 
     from tokenrouter.training.student import train_student
 
     say = log or (lambda msg: print(msg, file=sys.stderr))
-    folder = cache_dir() / "pairs" / f"pair-{s.key()}"
+    folder = pair_folder(s)
     small = cache_dir() / "models" / f"student-{s.student.key()}"
     answers_file = cache_dir() / "answers" / f"answers-{s.answers_key()}.jsonl"
     routers = {k: cache_dir() / "routers" / f"{k}-{s.router_key(k)}" for k in ROUTER_KINDS}
@@ -279,19 +349,19 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
                             {k: Path(v) for k, v in meta["routers"].items()})
 
     large_dir = cache_dir() / "models" / SMOLLM2_NAME
-    todo = ([f"convert {SMOLLM2_NAME}"] if not (large_dir / "config.json").is_file() else []) \
-        + (["answer training problems with the large model"] if not answers_file.is_file() else []) \
-        + (["train the small model"] if not (small / "student.json").is_file() else []) \
-        + [f"train the {k} router" for k in ROUTER_KINDS if not (routers[k] / "router.json").is_file()] \
-        + ["choose the served operating point"]
+    todo = ([STAGE_CONVERT] if not (large_dir / "config.json").is_file() else []) \
+        + ([STAGE_ANSWERS] if not answers_file.is_file() else []) \
+        + ([STAGE_STUDENT] if not (small / "student.json").is_file() else []) \
+        + [router_stage(k) for k in ROUTER_KINDS if not (routers[k] / "router.json").is_file()] \
+        + [STAGE_POINT]
     say(f"tokenrouter prepare: making the default pair (once; cached in {cache_dir()}): {len(todo)} stages, "
         "each with a progress bar and its ETA")
-    stage = _Stages(todo, say)
+    stage = _Stages(todo, say, QUICK_STAGE_SECONDS if s == quick_settings() else FULL_STAGE_SECONDS, on_stage)
 
-    with stage(f"convert {SMOLLM2_NAME}"):
+    with stage(STAGE_CONVERT):
         large = ensure_smollm2(progress)
     tok = AutoTokenizer.from_pretrained(str(large))
-    with stage("answer training problems with the large model"):
+    with stage(STAGE_ANSWERS):
         if not answers_file.is_file():
             answered = []
             for name, problems in answered_problems(s).items():
@@ -301,7 +371,7 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
                                                  progress)
             large_answers.save(answered, answers_file)
     student_answers, router_answers = split_answers(s, large_answers.load(answers_file))
-    with stage("train the small model"):
+    with stage(STAGE_STUDENT):
         if not (small / "student.json").is_file():
             how = (f"carved from layers {list(s.student.layers)} of {large.name}" if s.student.layers
                    else "from scratch")
@@ -314,14 +384,14 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any) -> PreparedPair:
     corpus_thresholds: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     for kind in ROUTER_KINDS:
-        with stage(f"train the {kind} router"):
+        with stage(router_stage(kind)):
             if not (routers[kind] / "router.json").is_file():
                 train_pair_router(s, kind, small, large, tok, router_answers, routers[kind], progress)
         meta = json.loads((routers[kind] / "router.json").read_text())
         corpus_thresholds[kind] = float(meta["threshold"])
         metrics[kind] = meta["metrics"]
 
-    with stage("choose the served operating point"):
+    with stage(STAGE_POINT):
         points = {kind: operating_points(s, kind, small, large, routers[kind], corpus_thresholds[kind], tok, say)
                   for kind in s.selected_kinds}
     best = {kind: choose(ps, s.max_share) for kind, ps in points.items()}
@@ -388,13 +458,27 @@ def operating_points(s: PrepareSettings, kind: str, small: Path, large: Path, ro
                    s.max_tokens("arith"), say, max_share=s.max_share, refinements=s.selection_refinements)
 
 
-def default_pair_config() -> Path | None:
-    """The default routed pair's group config, prepared (once, cached) on first use; None when the
-    large model's GGUF is not installed or TOKENROUTER_DEFAULT_MODEL asks for one model."""
+def default_pair_settings() -> PrepareSettings | None:
+    """The settings of the pair `tokenrouter serve` runs with no model (TOKENROUTER_PREPARE=quick: the
+    quick ones); None when the large model's GGUF is not installed or TOKENROUTER_DEFAULT_MODEL asks
+    for one model."""
     if os.environ.get("TOKENROUTER_DEFAULT_MODEL", "") in ("random", "single"):
         return None
     try:
         smollm2_gguf_path()
     except (FileNotFoundError, ImportError, RuntimeError, ValueError):
         return None
-    return prepare(settings_for(quick=os.environ.get("TOKENROUTER_PREPARE", "") == "quick")).config
+    return settings_for(quick=os.environ.get("TOKENROUTER_PREPARE", "") == "quick")
+
+
+def prepared_config(s: PrepareSettings) -> Path | None:
+    """The group config of the pair of settings `s` if it is prepared already, else None (nothing runs)."""
+    folder = pair_folder(s)
+    return folder / "pair.yaml" if (folder / "prepared.json").is_file() else None
+
+
+def default_pair_config() -> Path | None:
+    """The default routed pair's group config, prepared (once, cached) on first use; None where
+    default_pair_settings is."""
+    s = default_pair_settings()
+    return None if s is None else prepare(s).config

@@ -2,7 +2,9 @@
 // (`routing: {trace: true}`) and shows who wrote what. The API key, when the server wants one, lives
 // in this page's memory only.
 
+import { watchAdaptive } from "./adaptive.js";
 import { Pane } from "./pane.js";
+import { watchServing } from "./serving.js";
 import { sseData } from "./sse.js";
 
 const $ = (id) => document.getElementById(id);
@@ -19,6 +21,9 @@ function headers(json = false) {
   if (state.key) h.Authorization = `Bearer ${state.key}`;
   return h;
 }
+
+const showAdaptive = watchAdaptive($("adaptive"), headers);
+const showServing = watchServing($("serving"), () => loadGroup());
 
 async function errorText(resp) {
   try {
@@ -49,6 +54,8 @@ async function loadGroup() {
   $("group").textContent = `${card.id}: ${members.join(" + ")}, routed by ${routing.algorithm || "single"}`;
   buildLegend(members);
   buildKnob(routing);
+  showAdaptive(routing.adaptive);
+  showServing(card.serving);
   const only = $("only");
   only.replaceChildren();
   if (members.length > 1) {

@@ -1,0 +1,253 @@
+"""Load adaptation (runtime/adaptation.py, planner/knob_controller.py, runtime/tpot_window.py): on a
+synthetic clock with synthetic token timings, the share knob walks toward the floor under overload,
+returns to the served point when the load goes, never passes either bound, and leaves the requests
+that do not adapt alone; bad settings are refused naming their field (or flag, tests/test_adaptation_serve.py)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+
+from tokenrouter.planner.knob_controller import MIN_DECREASE, STEP_BACK, KnobController, KnobRange
+from tokenrouter.routing import make_algorithm
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError
+from tokenrouter.runtime.adapt_config import AdaptConfig, AdaptConfigError, default_floor, knob_range
+from tokenrouter.runtime.adaptation import AdaptState, Adaptation
+from tokenrouter.runtime.admission import AdmissionRules, AdmittedPlan, PoolSize
+from tokenrouter.runtime.group_config import GroupConfig
+from tokenrouter.runtime.tpot_window import TpotWindow, p99
+from tokenrouter.sampling_params import SamplingParams
+
+TARGET_MS, WINDOW = 50.0, 10.0
+TARGET = TARGET_MS / 1e3
+
+
+class LowerIsMore(RoutingAlgorithm):
+    """A user's plug-in whose knob gives the large model fewer tokens as it rises (as R2R's threshold)."""
+
+    name = "lower_is_more"
+    request_params = ("threshold",)
+    share_knob = ("threshold", False)
+
+    def __init__(self, models: list[str], threshold: float = 0.3) -> None:
+        super().__init__(models)
+        self.threshold = threshold
+
+    def route(self, model: str, step: Any) -> list[Route]:
+        return [STAY] * len(step.reqs)
+
+
+def bernoulli(p: float = 0.4) -> RoutingAlgorithm:
+    return make_algorithm("bernoulli", ["small", "large"], {"p": p})
+
+
+class Clocked:
+    """An Adaptation on a synthetic clock; requests start through admission, as the entry starts them."""
+
+    def __init__(self, algorithm: RoutingAlgorithm, floor: float | None = None) -> None:
+        self.rules = AdmissionRules(64, 100, {"small": PoolSize(4, 256), "large": PoolSize(4, 256)},
+                                    algorithm.resolve_request)
+        self.ad = Adaptation(AdaptConfig(TARGET_MS, floor, WINDOW), algorithm, now=0.0)
+        self.t = 0.0
+        self.started = 0
+
+    def start(self, routing: dict[str, Any] | None = None) -> tuple[str, AdmittedPlan]:
+        self.started += 1
+        wire = f"r{self.started}"
+        return wire, self.ad.start(wire, self.rules.plan([1, 2, 3], SamplingParams(max_tokens=8), routing))
+
+    def window(self, gaps: dict[str, float], model: str = "small") -> AdaptState:
+        """One window: each request of `gaps` writes a token every gaps[wire] seconds through it; then
+        the window closes and the knob moves."""
+        events = sorted((self.t + k * gap, wire) for wire, gap in gaps.items() for k in range(round(WINDOW / gap)))
+        for when, wire in events:
+            self.ad.token(wire, model, when)
+        self.t += WINDOW
+        self.ad.poll(self.t)
+        return self.ad.state
+
+    @property
+    def range(self) -> KnobRange:
+        return self.ad.range
+
+
+# ---- the controller under load ---------------------------------------------------------------------
+def test_overload_walks_the_knob_to_the_floor_and_holds_it_there():
+    rig = Clocked(bernoulli(0.4))
+    served, floor = 0.4, default_floor(0.4, True)
+    wire, plan = rig.start()
+    assert plan.routing["p"] == served  # the served point until a window says otherwise
+    values = [rig.window({wire: 2 * TARGET}).value for _ in range(12)]  # p99 twice the target, throughout
+    assert values[0] < served and values == sorted(values, reverse=True)
+    assert values.index(floor) <= math.ceil(1 / MIN_DECREASE) and values[-1] == floor
+    assert all(floor <= v <= served for v in values)
+    assert rig.ad.state.p99_s == pytest.approx(2 * TARGET)
+    assert rig.start()[1].routing["p"] == floor  # new requests start at the live value
+
+
+def test_an_idle_window_returns_to_the_served_point():
+    rig = Clocked(bernoulli(0.4))
+    wire, _ = rig.start()
+    for _ in range(10):
+        rig.window({wire: 2 * TARGET})
+    assert rig.ad.state.value == rig.range.floor
+    state = rig.window({})  # the request is still open but writes nothing: no adapting token streamed
+    assert state.value == rig.range.served and state.p99_s is None
+    rig.ad.finish(wire)
+    for _ in range(10):
+        rig.window({rig.start()[0]: 2 * TARGET})
+    assert rig.ad.state.value == rig.range.floor
+    rig.t += 7 * WINDOW  # the entry stalled: the windows it missed close empty, on the next poll
+    rig.ad.poll(rig.t)
+    assert rig.ad.state.value == rig.range.served
+
+
+def test_light_load_returns_at_once_and_headroom_steps_back():
+    rig = Clocked(LowerIsMore(["small", "large"], threshold=0.3), floor=0.8)
+    wire, plan = rig.start()
+    assert plan.routing["threshold"] == 0.3
+    for _ in range(10):
+        rig.window({wire: 3 * TARGET})
+    assert rig.ad.state.value == 0.8
+    assert rig.window({wire: 0.4 * TARGET}).value == 0.3  # the load fell back: served within one window
+    for _ in range(10):
+        rig.window({wire: 3 * TARGET})
+    stepped = rig.window({wire: 0.7 * TARGET}).value  # headroom, but not half the target
+    assert stepped == pytest.approx(rig.range.value(STEP_BACK))
+    assert rig.window({wire: 0.9 * TARGET}).value == stepped  # within the margin: hold
+    assert 0.3 < stepped < 0.8
+
+
+@pytest.mark.parametrize("algorithm,floor", [(bernoulli(0.4), None), (bernoulli(0.4), 0.0), (bernoulli(1.0), 0.3),
+                                             (LowerIsMore(["small", "large"]), None),
+                                             (LowerIsMore(["small", "large"]), 1.0)])
+def test_the_knob_never_passes_either_bound(algorithm, floor):
+    rig = Clocked(algorithm, floor)
+    low, high = sorted((rig.range.floor, rig.range.served))
+    draw = random.Random(7)
+    wires = [rig.start()[0] for _ in range(4)]
+    seen = set()
+    for _ in range(300):
+        gaps = {w: draw.choice([0.1, 0.5, 0.8, 0.95, 1.05, 1.5, 4.0, 40.0]) * TARGET for w in wires
+                if draw.random() < 0.8}
+        value = rig.window(gaps).value
+        assert low <= value <= high
+        seen.add(value)
+        assert low <= rig.start()[1].routing[rig.ad.param] <= high
+    assert {rig.range.floor, rig.range.served} <= seen  # both ends reached, neither passed
+
+
+def test_knob_range_ends_are_exact_and_positions_are_bounded():
+    r = KnobRange(served=0.1, floor=0.3)
+    assert r.value(1.0) == 0.1 and r.value(0.0) == 0.3
+    # floor + 1 * (served - floor) rounds to a value just inside the range here, not to the served point
+    odd = KnobRange(served=0.029642378575777988, floor=0.10337310890818655)
+    assert odd.value(1.0) == odd.served
+    assert all(0.1 <= r.value(x / 1000) <= 0.3 for x in range(1001))
+    with pytest.raises(ValueError, match="position"):
+        r.value(1.5)
+    c = KnobController(TARGET)
+    assert c.update(None) == 1.0 and c.update(10 * TARGET) == pytest.approx(0.1)
+    assert c.update(TARGET * 1.01) == 0.0  # at least MIN_DECREASE, never below 0
+    assert c.update(TARGET * 1.01) == 0.0
+
+
+# ---- which requests adapt -------------------------------------------------------------------------
+def test_requests_that_do_not_adapt_keep_their_value_and_are_not_measured():
+    rig = Clocked(bernoulli(0.4))
+    pinned, pinned_plan = rig.start({"adapt": False})
+    own, own_plan = rig.start({"p": 0.9})
+    alone, alone_plan = rig.start({"model": "large"})
+    assert pinned_plan.routing == {"p": 0.4} and own_plan.routing == {"p": 0.9} and alone_plan.routing == {"p": 0.4}
+    state = rig.window({pinned: 40 * TARGET, own: 40 * TARGET, alone: 40 * TARGET})  # slow, but none adapts
+    assert state.value == 0.4 and state.p99_s is None and state.shares == {}
+    moving, _ = rig.start()
+    state = rig.window({moving: 2 * TARGET, pinned: 40 * TARGET})
+    assert state.p99_s == pytest.approx(2 * TARGET)  # the pinned request's 2 s per token is not in it
+    assert state.value < 0.4 and state.shares == {"small": 1.0}
+    assert rig.start({"adapt": False})[1].routing == {"p": 0.4}
+    assert rig.start({"p": 0.9})[1].routing == {"p": 0.9}
+    assert rig.start({"adapt": True})[1].routing == {"p": state.value}
+
+
+def test_adapt_must_be_a_boolean():
+    rig = Clocked(bernoulli())
+    with pytest.raises(RoutingParamError, match="adapt: must be true or false") as e:
+        rig.start({"adapt": "no"})
+    assert e.value.field == "adapt"
+
+
+# ---- the TPOT window ---------------------------------------------------------------------------
+def test_tpot_excludes_the_first_token_wait_and_counts_gaps_where_they_end():
+    w = TpotWindow()
+    w.token("a", "small", 5.0)  # its first token, 5 s after it arrived: TTFT, no gap
+    assert w.close().p99_s is None
+    w.token("a", "small", 5.1)  # the gap across the window's edge counts in the window it ends in
+    w.token("a", "large", 5.3)
+    w.finish("a")
+    figures = w.close()
+    assert figures.p99_s == pytest.approx(0.15) and figures.requests == 1
+    assert figures.shares == {"large": 0.5, "small": 0.5}
+    assert w.close() == type(figures)(None, 0, {})
+
+
+def test_p99_is_the_nearest_rank():
+    assert p99([float(i) for i in range(1, 101)]) == 99.0
+    assert p99([3.0, 1.0, 2.0]) == 3.0
+    assert p99([float(i) for i in range(1, 1001)]) == 990.0
+
+
+# ---- settings ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,field", [
+    ({"target_tpot_ms": -5}, "target_tpot_ms"), ({"target_tpot_ms": 0}, "target_tpot_ms"),
+    ({"target_tpot_ms": float("nan")}, "target_tpot_ms"), ({"target_tpot_ms": "fast"}, "target_tpot_ms"),
+    ({"target_tpot_ms": True}, "target_tpot_ms"), ({"target_tpot_ms": 50, "window": 0}, "window"),
+    ({"target_tpot_ms": 50, "window": float("inf")}, "window"), ({"target_tpot_ms": 50, "floor": -0.1}, "floor"),
+    ({"target_tpot_ms": 50, "floor": 1.5}, "floor"), ({"target_tpot_ms": 50, "floor": float("nan")}, "floor"),
+    ({"target_tpot_ms": 50, "floor": "low"}, "floor"),
+])
+def test_bad_settings_are_refused_naming_the_field(kwargs, field):
+    with pytest.raises(AdaptConfigError) as e:
+        AdaptConfig(**kwargs)
+    assert e.value.field == field and str(e.value).startswith(f"adapt.{field} ")
+
+
+def test_a_floor_above_the_served_point_is_refused():
+    with pytest.raises(AdaptConfigError, match="above the served point") as e:
+        knob_range(AdaptConfig(50, floor=0.3), bernoulli(0.2))  # a higher p gives the large model more
+    assert e.value.field == "floor"
+    with pytest.raises(AdaptConfigError, match="above the served point") as e:
+        knob_range(AdaptConfig(50, floor=0.2), LowerIsMore(["small", "large"], threshold=0.3))
+    assert e.value.field == "floor"
+    assert knob_range(AdaptConfig(50, floor=0.2), bernoulli(0.2)) == KnobRange(0.2, 0.2)  # equal: nothing to move
+    assert knob_range(AdaptConfig(50, floor=0.5), LowerIsMore(["small", "large"], threshold=0.3)) == KnobRange(0.3, 0.5)
+    with pytest.raises(AdaptConfigError, match="single has none") as e:
+        knob_range(AdaptConfig(50), make_algorithm("single", ["m"], {}))
+    assert e.value.field == "target_tpot_ms"
+
+
+def test_the_default_floor_halves_the_odds_toward_no_large_tokens():
+    assert default_floor(0.1, True) == pytest.approx(0.1 / 1.9)  # about half Bernoulli's share
+    assert default_floor(0.461286, False) == pytest.approx(0.6313, abs=1e-4)  # the default pair's R2R point
+    assert default_floor(0.0, True) == 0.0 and default_floor(1.0, False) == 1.0
+    for x in (0.01, 0.3, 0.7, 0.99):
+        assert default_floor(x, True) < x < default_floor(x, False)
+    assert knob_range(AdaptConfig(50), bernoulli(0.1)).floor == pytest.approx(0.1 / 1.9)
+
+
+def test_the_group_config_reads_and_writes_the_adapt_section(tmp_path):
+    base = {"models": [{"name": "small", "path": str(tmp_path / "s")}, {"name": "large", "path": str(tmp_path / "l")}],
+            "algorithm": {"name": "bernoulli", "p": 0.2}}
+    group = GroupConfig.from_dict({**base, "adapt": {"target_tpot_ms": 40, "floor": 0.05}})
+    assert group.adapt == AdaptConfig(40.0, 0.05, 10.0)
+    assert GroupConfig.from_dict(group.to_dict()).adapt == group.adapt
+    assert "adapt" not in GroupConfig.from_dict(base).to_dict()
+    for section, message in [({"floor": 0.1}, "adapt.target_tpot_ms is required"),
+                             ({"target_tpot_ms": -1}, "adapt.target_tpot_ms must be a positive number"),
+                             ({"target_tpot_ms": 40, "speed": 2}, "adapt: unknown field"),
+                             (5, "adapt must be a mapping")]:
+        with pytest.raises(ValueError, match=message):
+            GroupConfig.from_dict({**base, "adapt": section})

@@ -1,0 +1,77 @@
+"""The feedback rule that holds a latency target by moving a routing algorithm's share knob.
+
+The knob lives on a range from the served point (the group's value: the quality it was chosen for) to
+a floor (fewer tokens on the large model, so more capacity). The controller keeps a position on that
+range, 1 at the served point and 0 at the floor, and moves it once per measurement window from that
+window's p99 time per output token (TPOT):
+
+- no adapting request streamed in the window (idle): back to the served point at once;
+- p99 over the target: multiplicative decrease, position * target / p99, and by at least
+  `MIN_DECREASE` of the range, so a p99 just over the target still reaches the floor in a few windows;
+- p99 at most `RETURN_BELOW` of the target: back to the served point at once. This is the one
+  prediction the rule makes: to first order a token costs a + b s at large share s (a, b >= 0: the
+  small model's step at every position, the large model's at its share), at most twice its cost at
+  s / 2; the default floor (runtime/adapt_config.py) is about half the served share, so a p99 under
+  half the target anywhere on the range predicts the served point within it. Where queueing makes
+  the cost steeper than that, or a floor set lower, the return overshoots and the next window's
+  decrease corrects it;
+- p99 at most `MARGIN` of the target: a step of `STEP_BACK` toward the served point (the headroom
+  keeps one step from pushing p99 over again);
+- otherwise hold.
+
+The planner's throughput model (chain.py) could predict the share that meets a target, but it needs
+the large model's B(n), step-latency profiles and the knob-to-share curve of the live prompts; the
+measured p99 already folds all of these in, so the rule feeds back on it alone. Pure arithmetic, no
+clock: the caller says when a window closes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MIN_DECREASE = 0.125  # of the range: sustained overload reaches the floor within 8 windows
+MARGIN = 0.8  # step back only with this much of the target used
+STEP_BACK = 0.25  # of the range, per window with headroom
+RETURN_BELOW = 0.5  # of the target: p99 this low returns to the served point at once (see above)
+
+
+@dataclass(frozen=True)
+class KnobRange:
+    """The values the knob may take: from `served` (position 1) to `floor` (position 0), either side
+    of each other (a knob whose raising raises the large share has its floor below the served point)."""
+
+    served: float
+    floor: float
+
+    def value(self, position: float) -> float:
+        """The knob at a position in [0, 1]; the ends are the bounds exactly (no rounding past them)."""
+        if not 0.0 <= position <= 1.0:
+            raise ValueError(f"position must be in [0, 1], got {position}")
+        if position == 1.0:
+            return self.served
+        if position == 0.0:
+            return self.floor
+        low, high = sorted((self.floor, self.served))
+        return min(high, max(low, self.floor + position * (self.served - self.floor)))
+
+
+class KnobController:
+    """The position on a KnobRange, moved by `update` once per window (see the module docstring)."""
+
+    def __init__(self, target_s: float) -> None:
+        if not target_s > 0.0:
+            raise ValueError(f"target_s must be positive, got {target_s}")
+        self.target_s = target_s
+        self.position = 1.0
+
+    def update(self, p99_s: float | None) -> float:
+        """The new position after a window whose adapting requests' p99 TPOT was `p99_s` seconds
+        (None: none of them streamed)."""
+        target = self.target_s
+        if p99_s is None or p99_s <= RETURN_BELOW * target:
+            self.position = 1.0
+        elif p99_s > target:
+            self.position = max(0.0, min(self.position * target / p99_s, self.position - MIN_DECREASE))
+        elif p99_s <= MARGIN * target:
+            self.position = min(1.0, self.position + STEP_BACK)
+        return self.position

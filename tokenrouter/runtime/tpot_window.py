@@ -1,0 +1,75 @@
+"""Time per output token (TPOT) over a measurement window, from the times the entry hands each token
+out: what load adaptation holds to its target.
+
+A request's TPOT in a window is vLLM's per-request TPOT restricted to the window: the gaps between
+its successive tokens that ended in the window, averaged (its first token's wait, the TTFT, is no
+gap). A request that streamed wholly inside the window gets exactly vLLM's figure; a long one counts
+in every window it streams through, so an overload shows in the window it happens in, not when the
+requests it slows finally end. Each window's figure is the p99 over its requests (nearest rank). The
+window also counts the tokens each model wrote, for the large model's share.
+
+No clock of its own: callers pass the time, so the tests run on a synthetic one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Stream:
+    last: float  # when its latest token came
+    gap_sum: float = 0.0  # seconds between its tokens, this window
+    gaps: int = 0
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    """One closed window: the p99 TPOT of its requests (None: no request had two tokens in it), how
+    many requests it measured, and each model's share of the tokens written in it."""
+
+    p99_s: float | None
+    requests: int
+    shares: dict[str, float] = field(default_factory=dict)
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile by nearest rank: an observed value, the largest one below 100 samples."""
+    ordered = sorted(values)
+    return ordered[math.ceil(0.99 * len(ordered)) - 1]
+
+
+class TpotWindow:
+    def __init__(self) -> None:
+        self.live: dict[str, _Stream] = {}
+        self.ended: list[_Stream] = []  # requests that ended in this window, with their gaps in it
+        self.tokens: dict[str, int] = {}  # tokens per writing model, this window
+
+    def token(self, rid: str, model: str, now: float) -> None:
+        stream = self.live.get(rid)
+        if stream is None:
+            self.live[rid] = _Stream(now)
+        else:
+            stream.gap_sum += now - stream.last
+            stream.gaps += 1
+            stream.last = now
+        self.tokens[model] = self.tokens.get(model, 0) + 1
+
+    def finish(self, rid: str) -> None:
+        stream = self.live.pop(rid, None)
+        if stream is not None and stream.gaps:
+            self.ended.append(stream)
+
+    def close(self) -> WindowFigures:
+        """The window's figures; the next window starts empty (live requests keep their last token's
+        time, so the gap across the boundary counts in the window it ends in)."""
+        streams = [s for s in (*self.live.values(), *self.ended) if s.gaps]
+        total = sum(self.tokens.values())
+        figures = WindowFigures(p99([s.gap_sum / s.gaps for s in streams]) if streams else None, len(streams),
+                                {m: n / total for m, n in sorted(self.tokens.items())})
+        for s in self.live.values():
+            s.gap_sum, s.gaps = 0.0, 0
+        self.ended = []
+        self.tokens = {}
+        return figures
