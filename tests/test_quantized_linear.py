@@ -102,6 +102,23 @@ def test_product_within_its_stated_bound(tmp_path, kind, rows):
     assert float((limit / err.clamp_min(1e-30)).min()) < 64
 
 
+def test_the_bound_holds_where_every_rounding_leans_the_same_way(tmp_path):
+    """x just above 1 (each element rounds down to 1.0 in bfloat16, by almost 2^-9) against weights
+    all positive with a scale bfloat16 holds exactly: the error is about half of u_b |x . w|, the
+    stated bound about twice that; a bound with a smaller factor on its magnitude term fails here."""
+    k, n = 4096, 32
+    codes = torch.full((n, k), 15, dtype=torch.uint8)  # w = d (15 - 8) = 7 d
+    block = BlockWeight("Q4_0", codes, torch.full((n, k // 32), 2.0 ** -7))
+    q = quantized_linear.from_blocks(block)
+    ref = block.dequantize()
+    x = torch.full((1, k), 1 + 2.0 ** -9 - 2.0 ** -20)
+    err = (quantized_linear.linear(x, q).double() - x.double() @ ref.double().T).abs()
+    bound = quantized_linear.error_bound(q, block, ref)
+    limit = x.double().norm(dim=1)[:, None] * bound.columns[None] + bound.flushed * (1 + float(x.abs().max()))
+    assert (err <= limit).all()
+    assert (err > 0.4 * 2.0 ** -8 * (x.double() @ ref.double().T)).all()  # the roundings did lean
+
+
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_int8_per_channel_within_its_stated_bound(rows):
     w = torch.randn(72, 64, generator=torch.Generator().manual_seed(2)) * torch.linspace(0.1, 3, 72)[:, None]
@@ -129,14 +146,19 @@ def test_quantized_screen_gives_the_full_heads_top(tmp_path, kind):
     head = ScreenedHead(weight, gemm)
     head.add_quantized(quantized_linear.from_blocks(block), block)
     x = base + torch.randn(5, 96, generator=gen) * 0.05
-    assert head.uses_quantized(x)
+    assert not head.uses_quantized(x)  # on one thread the pair screen serves
+    torch.set_num_threads(2)
+    try:
+        assert head.uses_quantized(x)
+        got = head.top(x, 7)
+        scale, columns, offset = head.bounds(x)
+        approx = head.approx(x)
+    finally:
+        torch.set_num_threads(1)
     full = gemm(x, skinny_gemm.pack(weight), 4000, None)
-    got = head.top(x, 7)
     assert got is not None
     assert torch.equal(got.argmax, full.argmax(dim=1))
     assert torch.equal(got.values, full.topk(7, dim=1).values)
-    scale, columns, offset = head.bounds(x)
-    approx = head.approx(x)
     assert ((approx.double() - full.double()).abs() <= scale[:, None] * columns[None] + offset).all()
 
 

@@ -45,9 +45,13 @@ def test_two_models_starting_at_once_cannot_both_take_every_core(boards):
     """The slot is set before the peers are read: of two steps that overlap, the second sees the first."""
     mine, peer = boards
     a, b = CoreShare(2, 8, mine), CoreShare(2, 8, peer)
+    seen = []
+    real = a.threads_for
+    a.threads_for = lambda rows: seen.append(mine.flags[0]) or real(rows)  # type: ignore[method-assign]
     with a.step(1) as first:
         with b.step(1) as second:
             assert (first, second) == (2, 1)
+    assert seen == [1.0]  # its own slot was already set when it read its peers' (a peer reading then sees it)
 
 
 def test_without_a_board_only_the_rows_decide():

@@ -28,9 +28,10 @@ from tokenrouter.models.gguf_weights import BLOCK, BlockWeight
 
 _PAD = 16
 # Inputs of up to this many rows take the quantized kernel, larger ones the float weights: the int4
-# kernel's cost grows with the rows (it reads the weight once a row) where the float products reuse
-# each weight across rows (benchmarks/quantized_linear_costs.py measured the crossover).
-MAX_ROWS = 8
+# kernel's cost grows with the rows where the float products reuse each weight across rows. On
+# SmolLM2's 30 layers (benchmarks/quantized_linear_costs.py, 2026-12-05) the quantized products were
+# 4.1x / 4.6x the float ones at 1 row (one / two threads), 1.15x / 1.29x at 16 and 0.85x / 0.97x at 32.
+MAX_ROWS = 16
 
 
 class QuantizedLinear(NamedTuple):
