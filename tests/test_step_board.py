@@ -80,3 +80,25 @@ def test_an_engine_sizes_its_steps_with_it(model_paths, boards):
     torch.set_num_threads(1)
     assert shared.cores is not None and shared.cores.threads_used == {1: 1, 2: 5}
     assert outs[0] == outs[1]
+
+
+def test_only_a_model_alone_on_its_host_shares_cores():
+    """A routed pair's co-located models keep one thread each; a model served alone shares, and so
+    does the one model spawned here beside a joined peer; a pinned or switched-off model does not."""
+    from tokenrouter.runtime.group_config import GroupConfig
+    from tokenrouter.runtime.subserver import shares_cores
+
+    def group(models: list[dict], **launch) -> GroupConfig:
+        return GroupConfig.from_dict({"models": models, "launch": launch})
+
+    one = group([{"name": "m", "path": "/x"}])
+    assert shares_cores(one.models[0], one)
+    pair = group([{"name": "s", "path": "/x"}, {"name": "l", "path": "/y"}])
+    assert not any(shares_cores(m, pair) for m in pair.models)
+    joined = GroupConfig.from_dict({"models": [{"name": "s", "path": "/x"},
+                                               {"name": "l", "path": "/y", "start": "join"}],
+                                    "transport": "tcp", "secret": "a secret of sixteen characters"})
+    assert shares_cores(joined.models[0], joined) and not shares_cores(joined.models[1], joined)
+    for changed in (group([{"name": "m", "path": "/x", "cores": [0]}]), group([{"name": "m", "path": "/x"}],
+                                                                                share_cores=False)):
+        assert not shares_cores(changed.models[0], changed)

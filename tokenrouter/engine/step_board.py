@@ -7,12 +7,15 @@ by name), one slot per model of the group, set while that model runs a step. Two
 - core sharing (`CoreShare`): on a CPU host where models take turns, a step may use every core while
   no other model is stepping, and only one while another is.
 
-Why core sharing: one torch thread per process keeps co-located models off each other's cores (two
-threads on a busy core run 5-13x slower: OpenMP spin-waits for a core it cannot get), but when the
-models take turns (one request: it is always at one model) a core idles. The rule measured in
-benchmarks/llama_cpp_side_by_side.py: every core for a step of at most `max_rows` rows (the
-quantized kernel's, where more threads pay: models/quantized_linear.py) while no other model's slot
-is set; one thread otherwise (large steps come with load, when the other cores have work).
+Why core sharing: a model serving alone on a CPU host leaves its other cores idle at low load. The
+rule: every core for a step of at most `max_rows` rows (the quantized kernel's, where more threads
+pay: models/quantized_linear.py) while no other model's slot is set; one thread otherwise (large
+steps come with load, when the server's other processes have work). The runtime applies it to a
+model alone on its host only (runtime/subserver.py): beside a co-located routed peer it measured
+slower at 2-8 concurrent requests (the default pair at 8: 166 tok/s against 219-233 with one thread
+each; at 1: 70.8-72.9 against 65.0-72.5), because after each step the second thread's OpenMP spin-wait keeps
+a core the peer's step needs (shorter spins, GOMP_SPINCOUNT=10000, gave 195; a passive wait made
+every step slower: SmolLM2 alone 39 tok/s at 1 request against 70).
 """
 
 from __future__ import annotations

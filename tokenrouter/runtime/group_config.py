@@ -82,9 +82,9 @@ class LaunchConfig:
     # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off). Off under
     # the planner, which does not model it.
     look_ahead: bool = True
-    # On CPU, a subserver spawned here (not pinned to cores, one rank) runs a step of few rows on every
-    # core of the host while no other model of the group is stepping, on one otherwise
-    # (engine/step_board.py CoreShare); false keeps each model on its `threads`.
+    # On CPU, a model alone on its host (the only subserver spawned here, not pinned to cores, one
+    # rank) runs a step of few rows on every core, larger ones on one (engine/step_board.py
+    # CoreShare); false keeps it on its `threads`. Co-located models keep their `threads`.
     share_cores: bool = True
 
     def __post_init__(self) -> None:
