@@ -139,23 +139,33 @@ def test_smollm2_our_logits_equal_transformers(smol_dir, smol_hf, smol_tok):
 
 def test_smollm2_blocks_served_as_stored_keep_the_greedy_answers(smol_dir, smol_tok):
     """The folder keeps the file (model.gguf); under --quantization auto the engine serves its Q4_1 and
-    Q8_0 blocks on the int4 kernel (bfloat16 activations), and greedy answers to 16 arithmetic
-    questions match the float path's: all of them measured (64 of 64 on training problems), at most one
-    may part, and not before its eighth token."""
+    Q8_0 blocks on the int4 kernel (bfloat16 activations). Greedy answers to 16 arithmetic questions
+    match the float path's but where two leading tokens tie within rounding: where an answer parts,
+    both paths rank the other's token within a quarter of a nat of their own (here 6 of 96 held-out
+    answers parted, by 0.07 nats at most; a wrong scale or zero point parts them by whole nats). How
+    many part depends on the CPU's kernels; most must not."""
     from tokenrouter.training import arith
     from tokenrouter.training.champ import chat_prompts
 
     assert (smol_dir / "model.gguf").read_bytes()[:4] == b"GGUF"
     prompts = chat_prompts(smol_tok, arith.split(seed=0).held_out[:16])
-    params = SamplingParams(max_tokens=32, temperature=0.0)
-    answers = {}
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=5)
+    outs = {}
     for q in ("auto", "none"):
         llm = LLM(str(smol_dir), quantization=q, kv_cache_tokens=4096, max_running_requests=16)
         assert llm.engine.quantization == ("gguf (Q4_1, Q8_0)" if q == "auto" else "none")
-        answers[q] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    parted = [next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-              for a, b in zip(answers["auto"], answers["none"]) if a != b]
-    assert len(parted) <= 1 and all(i >= 8 for i in parted), parted
+        outs[q] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    parted = 0
+    for a, b in zip(outs["auto"], outs["none"]):
+        if a.token_ids == b.token_ids:
+            continue
+        parted += 1
+        i = next(i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y)
+        for mine, other in ((a, b), (b, a)):
+            ranked = mine.logprobs[i]
+            own, theirs = mine.token_ids[i], other.token_ids[i]
+            assert theirs in ranked and ranked[own] - ranked[theirs] <= 0.25, (i, ranked, own, theirs)
+    assert parted <= 4, parted
 
 
 def test_smollm2_our_loader_has_the_same_weights(smol_dir, smol_hf):

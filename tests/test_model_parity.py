@@ -153,3 +153,26 @@ def test_qwen2_with_a_released_config_writes_transformers_greedy_tokens(model_pa
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_tokenrouter_serve_writes_transformers_greedy_tokens_for_qwen2(model_paths):
+    """`tokenrouter serve --model-path` on the tiny Qwen2 (q/k/v bias, no o_proj bias) answers token-id
+    prompts with transformers' greedy tokens, through the HTTP server."""
+    import httpx
+    from server_utils import ServerProcess
+    from transformers import AutoModelForCausalLM
+
+    folder = model_paths["qwen2"]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    srv = ServerProcess(["--model-path", str(folder), "--served-model-name", "q", "--kv-cache-tokens", "2048",
+                         "--page-size", "4"])
+    try:
+        for prompt in prompts_of([6, 33], seed=11):
+            body = {"model": "q", "prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+                    "return_token_ids": True}
+            out = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+            assert out["token_ids"] == ref[0, len(prompt):].tolist()
+    finally:
+        srv.stop()

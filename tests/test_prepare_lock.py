@@ -15,7 +15,7 @@ import pytest
 from tokenrouter.training import prepare as prep
 
 
-def fake_prepare(settings, progress, log):
+def fake_prepare(settings, progress, log, on_stage):
     """Stands in for the training: says it is running, and holds on until the test lets it go."""
     folder = prep.cache_dir()
     if (folder / "made").exists():
