@@ -90,14 +90,16 @@ def plot(cells: dict[str, Any], systems: list[str], concurrencies: list[int], pa
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for s in systems:
+    for i, s in enumerate(systems):
         cs = [c for c in concurrencies if f"{s}@{c}" in cells]
         med = [cells[f"{s}@{c}"]["tok_s"] for c in cs]
         lo = [m - cells[f"{s}@{c}"]["min"] for m, c in zip(med, cs)]
         hi = [cells[f"{s}@{c}"]["max"] - m for m, c in zip(med, cs)]
-        a.errorbar(cs, med, yerr=[lo, hi], marker="o", capsize=3, label=s)
-        b.plot(cs, [cells[f"{s}@{c}"]["tpot_p50_ms"] for c in cs], marker="o", label=f"{s} p50")
-        b.plot(cs, [cells[f"{s}@{c}"]["tpot_p99_ms"] for c in cs], marker="x", linestyle=":", label=f"{s} p99")
+        color = f"C{i}"
+        a.errorbar(cs, med, yerr=[lo, hi], marker="o", capsize=3, label=s, color=color)
+        b.plot(cs, [cells[f"{s}@{c}"]["tpot_p50_ms"] for c in cs], marker="o", label=f"{s} p50", color=color)
+        b.plot(cs, [cells[f"{s}@{c}"]["tpot_p99_ms"] for c in cs], marker="x", linestyle=":", label=f"{s} p99",
+               color=color)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrency")
@@ -139,21 +141,24 @@ def bound(large: str) -> dict[str, Any]:
         if q is not None:
             weights += q.packed.numel() * q.packed.element_size() + q.scales.numel() * q.scales.element_size()
     screen = model.lm_head_screened
-    head = 0 if screen is None or screen.quantized is None else (
-        screen.quantized.packed.numel() + screen.quantized.scales.numel() * 2)
-    total = weights + head
+    assert screen is not None, "the bound assumes greedy steps on the screened head"
+    # the screen a greedy batch-1 step reads: the quantized one on more threads, the pairs on one
+    heads = {1: screen.pairs.numel() * screen.pairs.element_size()}
+    if screen.quantized is not None:
+        heads[cores] = screen.quantized.packed.numel() + screen.quantized.scales.numel() * 2
     sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     prompt = [list(range(100, 116))]
-    out: dict[str, Any] = {"bytes_per_token": total, "layers_bytes": weights, "head_screen_bytes": head,
-                           "read_GBps": {str(k): v / 1e9 for k, v in rates.items()}}
+    out: dict[str, Any] = {"layers_bytes": weights, "read_GBps": {str(k): v / 1e9 for k, v in rates.items()}}
     for threads in sorted(rates):
+        total = weights + heads.get(threads, heads[1])
         torch.set_num_threads(threads)
         llm.generate(prompt, sp, use_tqdm=False)
         t = time.perf_counter()
         llm.generate(prompt, sp, use_tqdm=False)
         step = (time.perf_counter() - t) / 128
         floor = total / rates[threads]
-        out[f"threads_{threads}"] = {"step_ms": step * 1e3, "bound_ms": floor * 1e3, "share": floor / step}
+        out[f"threads_{threads}"] = {"step_ms": step * 1e3, "bytes_per_token": total, "bound_ms": floor * 1e3,
+                                     "share": floor / step}
         print(f"{threads} thread(s): a batch-1 step {step * 1e3:.2f} ms; reading {total / 1e6:.1f} MB at "
               f"{rates[threads] / 1e9:.1f} GB/s takes {floor * 1e3:.2f} ms: {100 * floor / step:.0f}% of the bound")
     torch.set_num_threads(1)
@@ -170,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bound", action="store_true", help="also measure the batch-1 bandwidth bound")
+    ap.add_argument("--bound-only", action="store_true", help="measure only the bound (no servers)")
     ap.add_argument("--out", required=True, help="prefix of the result files (.jsonl, .json, .png)")
     args = ap.parse_args(argv)
     config = args.config
@@ -183,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
         config = str(found)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.bound_only:
+        from tokenrouter.runtime.group_config import GroupConfig
+
+        bound_file = out.with_name(out.name + "_bound.json")
+        bound_file.write_text(json.dumps(bound(GroupConfig.from_yaml(config).models[1].engine.model_path), indent=1))
+        return 0
     out.with_suffix(".jsonl").unlink(missing_ok=True)
     systems = [s for s in args.systems.split(",") if s]
     rows = rounds(config, systems, args.concurrency, args.rounds, args.num_requests, args.max_tokens, args.seed, out)
