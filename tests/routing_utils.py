@@ -33,11 +33,13 @@ def build_pair(root: Path) -> dict[str, Path]:
     }
 
 
-def group_dict(paths: dict[str, Path], p: float, kv_tokens: int = 2048, **extra: Any) -> dict[str, Any]:
+def group_dict(paths: dict[str, Path], p: float, kv_tokens: int = 2048, engine: dict[str, Any] | None = None,
+               **extra: Any) -> dict[str, Any]:
+    """`engine`: more engine keys for both models (e.g. chunked_prefill_size)."""
     return {
         "models": [
-            {"name": "small", "path": str(paths["small"]), "kv_cache_tokens": kv_tokens, "page_size": PAGE},
-            {"name": "large", "path": str(paths["large"]), "kv_cache_tokens": kv_tokens, "page_size": PAGE},
+            {"name": n, "path": str(paths[n]), "kv_cache_tokens": kv_tokens, "page_size": PAGE, **(engine or {})}
+            for n in ("small", "large")
         ],
         "algorithm": {"name": "bernoulli", "p": p},
         **extra,

@@ -175,6 +175,40 @@ def _check_catch_up(compiled: Engine, eager: Engine) -> None:
             assert torch.equal(g["top_ids"], w["top_ids"])
 
 
+def test_drafts_are_verified_in_one_compiled_step(engines: tuple[Engine, Engine]) -> None:
+    """A peer's three drafts, the last one wrong: the compiled step runs the four rows, keeps two
+    and writes the model's own token at the third, as the eager step does."""
+    compiled, eager = engines
+    (prompt,) = prompts_of([7], seed=5)
+    ref = eager.add_request(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), rid="own")
+    while eager.has_unfinished():
+        eager.step()
+    own = ref.output_ids
+    wrong = (own[3] + 1) % eager.model_config.vocab_size
+    decode = compiled.runner.decode
+    assert decode is not None
+    extends: list[list[int]] = []
+    run = decode.run
+    decode.run = lambda reqs, ext: extends.append(list(ext)) or run(reqs, ext)  # type: ignore[method-assign]
+    results = []
+    try:
+        for eng in (compiled, eager):
+            req = eng.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True), rid="v")
+            eng.step()
+            assert req.output_ids == own[:1]
+            eng.hand_off(req)
+            eng.receive("v", len(req.tokens), [own[1], own[2], wrong], drafts=3)
+            out = eng.forward_step()
+            assert out is not None
+            results.append((out.accepted, out.token_ids, req.tokens[len(prompt):], req.drafts))
+            eng.abort("v")
+            eng.check_integrity()
+    finally:
+        del decode.run
+    assert [4] in extends
+    assert results[0] == results[1] == ([2], [own[3]], own[:3], 2)
+
+
 def test_padding_rows_touch_no_request_page(engines: tuple[Engine, Engine]) -> None:
     compiled, _ = engines
     pool = compiled.pool

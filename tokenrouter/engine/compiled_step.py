@@ -133,7 +133,8 @@ class CompiledDecode:
         return time.perf_counter() - t0
 
     def run(self, reqs: list[Req], extend_lens: list[int]) -> StepTensors:
-        """Outputs of each request's last row (the one it samples from), in order."""
+        """Outputs of each request's last row (the one it samples from), in order; for a request
+        verifying drafts, of its last drafts + 1 rows (ModelRunner.build_batch's sample rows)."""
         tokens: list[int] = []
         kv: list[int] = []
         pages: list[list[int]] = []
@@ -146,9 +147,10 @@ class CompiledDecode:
                                self.mask_dtype)
         if len(tokens) == len(reqs):  # all decodes: the first rows
             return self._run(inputs, len(reqs))
+        ends = list(itertools.accumulate(extend_lens))
+        rows = [i for r, end in zip(reqs, ends) for i in range(end - 1 - r.drafts, end)]
         # queued behind the step's inputs, so the host does not wait for the step
-        last = (torch.tensor(list(itertools.accumulate(extend_lens))) - 1).to(self.device, non_blocking=True)
-        return self._run(inputs, last)
+        return self._run(inputs, torch.tensor(rows).to(self.device, non_blocking=True))
 
     def _run(self, inputs: DecodeInputs, rows: int | torch.Tensor) -> StepTensors:
         """The step's outputs at `rows`: the first `rows` rows, or the rows an index names."""

@@ -64,6 +64,8 @@ class EngineStats:
     finished: int = 0
     look_aheads: int = 0  # rows run ahead for a request at a peer (Engine.hand_off)
     look_ahead_hits: int = 0  # of those, the ones taken when the request came back
+    drafts_verified: int = 0  # peers' drafts this model's steps verified (Req.drafts)
+    drafts_accepted: int = 0  # of those, the ones its own samples agreed with
 
 
 class StepFailed(RuntimeError):
@@ -250,10 +252,12 @@ class Engine:
             check_structured_output(params.structured_output)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                    detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None) -> Req:
+                    detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None,
+                    drafts: int = 0) -> Req:
         """Validate and queue a request. `detokenize` keeps `req.text` current at every token
         (streaming); requests with stop strings are always detokenized. A request arriving from a peer
-        brings its seed and, when output was already written, its prompt length."""
+        brings its seed and, when output was already written, its prompt length, and may end in
+        `drafts` for this model to verify (Req.drafts)."""
         self.validate(prompt_ids, params)
         if rid is None:
             rid = f"req-{self._next_rid}"
@@ -266,13 +270,15 @@ class Engine:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         n_prompt = len(prompt_ids) if prompt_len is None else prompt_len
         req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=n_prompt, params=params, seed=seed)
+        self._check_drafts(req, drafts, len(prompt_ids) - n_prompt)
+        req.drafts = drafts
         if params.structured_output is not None:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
             # Output written elsewhere (a peer's first hand-off) is caught up on at the first mask.
             req.grammar = self._grammars.state(params.structured_output)
         if detokenize or params.stop:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens)
+            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens[:len(req.tokens) - drafts])
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
@@ -289,12 +295,15 @@ class Engine:
         else:
             self.scheduler.set_pending(req)
 
-    def receive(self, rid: str, loc: int, suffix: list[int]) -> StepOutput | None:
+    def receive(self, rid: str, loc: int, suffix: list[int], drafts: int = 0) -> StepOutput | None:
         """A peer hands request rid back: cut our copy to `loc`, append the suffix, run again.
         Only the unseen suffix is computed; KV past `loc` is rolled back. Returns the row of the
         request's next token when a look-ahead already sampled it from these very tokens: the caller
-        commits it as a step's row, and the request runs nothing."""
+        commits it as a step's row, and the request runs nothing. The suffix's last `drafts` tokens
+        are proposals this model verifies (Req.drafts); the cut drops what this model drafted past
+        `loc` (Engine.append_draft)."""
         req = self.reqs[rid]
+        self._check_drafts(req, drafts, len(suffix))
         ahead = self.ahead.pop(rid, None)
         unchanged = loc == len(req.tokens) and not suffix
         req.look_ahead = False  # back before its look-ahead row ran: it runs as a normal row
@@ -302,18 +311,52 @@ class Engine:
         if req.grammar is not None:
             req.grammar.truncate(max(0, loc - req.prompt_len))
         req.tokens.extend(suffix)
+        req.drafts = drafts
         if req.status is ReqStatus.PENDING:
             self.scheduler.resume(req)
         if ahead is not None and unchanged and req.extend_len == 0:
             self.stats.look_ahead_hits += 1
             self.stats.sampled_tokens += 1
             return ahead
-        if req.extend_len == 0:
-            # Nothing new to feed: recompute the last token, whose logits the next sample needs.
-            last = req.tokens[-1]
-            self.scheduler.truncate(req, len(req.tokens) - 1)
-            req.tokens.append(last)
+        if req.extend_len <= drafts:
+            # Too little to feed: recompute the last token (whose logits the next sample needs), or
+            # the token before the drafts (whose logits verify the first).
+            tail = req.tokens[-1 - drafts:]
+            self.scheduler.truncate(req, len(req.tokens) - len(tail))
+            req.tokens.extend(tail)
         return None
+
+    @staticmethod
+    def _check_drafts(req: Req, drafts: int, new: int) -> None:
+        if drafts < 0 or drafts > new:
+            raise ValueError(f"request {req.rid}: {drafts} drafts to verify among {new} new tokens")
+        if drafts and not req.may_draft:
+            raise ValueError(f"request {req.rid}: drafts to verify, but its logits are processed or its "
+                             "logprobs asked for (Req.may_draft)")
+
+    def append_draft(self, req: Req, tok: int) -> None:
+        """Append a proposal to req: no output, no stop check; a peer verifies it (Req.drafts there)
+        and hands the request back cut at the first one it rejected."""
+        req.tokens.append(tok)
+
+    def accept_drafts(self, req: Req, now: float) -> int:
+        """Commit as output the drafts this model's step accepted (req.drafts of them, at the end of
+        its tokens, with KV), in order, each with append_token's stop checks; how many were committed
+        (fewer when one of them finished the request)."""
+        n, req.drafts = req.drafts, 0
+        kv, tail = req.kv_len, req.tokens[len(req.tokens) - n:]
+        del req.tokens[len(req.tokens) - n:]
+        req.kv_len = min(kv, len(req.tokens))
+        for j, tok in enumerate(tail):
+            req.tokens.append(tok)
+            req.kv_len = min(kv, len(req.tokens))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self._finish(req, *reason)
+                return j + 1
+        return n
 
     def abort(self, rid: str) -> Req | None:
         req = self.reqs.get(rid)
@@ -355,10 +398,23 @@ class Engine:
         self.scheduler.commit(batch)
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
+        if out.accepted is not None:
+            self._cut_rejected(out)
         if any(r.look_ahead for r in out.reqs):
             out = self._set_aside(out)
         self.stats.sampled_tokens += len(out.token_ids)
         return out
+
+    def _cut_rejected(self, out: StepOutput) -> None:
+        """A verifying step's rows: drop each request's drafts past the run it accepted (KV rolled
+        back); the accepted ones stay its drafts until the caller commits them (accept_drafts)."""
+        assert out.accepted is not None
+        for req, a in zip(out.reqs, out.accepted):
+            if req.drafts:
+                self.stats.drafts_verified += req.drafts
+                self.stats.drafts_accepted += a
+                self.scheduler.truncate(req, len(req.tokens) - req.drafts + a)
+                req.drafts = a
 
     def _set_aside(self, out: StepOutput) -> StepOutput:
         """Keep the look-ahead rows' samples for `receive` (their requests turn PENDING); the rest of
@@ -478,9 +534,14 @@ class Engine:
     def check_integrity(self) -> None:
         """The scheduler's page invariants, and look-ahead's (Engine.hand_off): a look-ahead request is
         RUNNING with exactly its own last token to run; a set-aside row belongs to a PENDING request
-        whose tokens all have KV, and samples its next position."""
+        whose tokens all have KV, and samples its next position. Drafts are output positions, and
+        a request verifying them here has the token before them to run (Req.drafts)."""
         self.scheduler.check_integrity()
         for req in self.reqs.values():
+            if not 0 <= req.drafts <= req.num_output:
+                raise AssertionError(f"request {req.rid}: {req.drafts} drafts among {req.num_output} output tokens")
+            if req.drafts and req.status is ReqStatus.RUNNING and req.extend_len <= req.drafts:
+                raise AssertionError(f"request {req.rid}: verifies {req.drafts} drafts with {req.extend_len} to run")
             if req.look_ahead and (req.status is not ReqStatus.RUNNING or req.extend_len != 1):
                 raise AssertionError(f"request {req.rid}: look-ahead while {req.status.value} with "
                                      f"{req.extend_len} tokens to run")

@@ -35,6 +35,10 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor | None
     top_logits: tuple[torch.Tensor, torch.Tensor] | None
     entropy: torch.Tensor | None
+    # Per row, how many of its request's drafts the step accepted (Req.drafts); None when no row
+    # verified drafts. A verifying row's token and outputs are those at the first rejected draft
+    # (or after the last draft when all were accepted).
+    accepted: list[int] | None = None
 
     def rows(self, idx: list[int]) -> StepOutput:
         """The rows `idx` of this step, in that order, as a step of those requests."""
@@ -45,7 +49,8 @@ class StepOutput(NamedTuple):
 
         top = None if self.top_logits is None else (pick(self.top_logits[0]), pick(self.top_logits[1]))
         return StepOutput([self.reqs[i] for i in idx], [self.token_ids[i] for i in idx], pick(self.logprobs),
-                          pick(self.top_logprobs), pick(self.hidden), pick(self.logits), top, pick(self.entropy))
+                          pick(self.top_logprobs), pick(self.hidden), pick(self.logits), top, pick(self.entropy),
+                          pick(self.accepted))
 
 
 class ModelRunner:
@@ -78,7 +83,8 @@ class ModelRunner:
         self.decode = decode
 
     def build_batch(self, reqs: list[Req], extend_lens: list[int]) -> tuple[ForwardBatch, list[int]]:
-        """The forward batch, and the indices (into reqs) of the requests that sample."""
+        """The forward batch, and the indices (into reqs) of the requests that sample. A sampled
+        request with drafts samples at its last `drafts + 1` rows (sample_rows in that order)."""
         dev = self.device
         p = self.pool.page_size
         prefix = [r.kv_len for r in reqs]
@@ -97,7 +103,13 @@ class ModelRunner:
         positions = torch.arange(total) - starts[req_of_row] + prefix_t[req_of_row]
         table_t = torch.tensor(table, dtype=torch.int64)
         slots = table_t[req_of_row, positions // p] * p + positions % p
-        sample_rows = (starts + ext_t - 1)[torch.tensor(sampled, dtype=torch.int64)]
+        ends = (starts + ext_t)[torch.tensor(sampled, dtype=torch.int64)]
+        if any(reqs[i].drafts for i in sampled):
+            span = torch.tensor([reqs[i].drafts + 1 for i in sampled], dtype=torch.int64)
+            first = torch.repeat_interleave(ends - span, span)
+            sample_rows = first + torch.arange(len(first)) - torch.repeat_interleave(torch.cumsum(span, 0) - span, span)
+        else:
+            sample_rows = ends - 1
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
             positions=positions.to(dev, non_blocking=True),
@@ -120,7 +132,7 @@ class ModelRunner:
             t = self.decode.run(reqs, extend_lens)
             if overlap is not None:
                 overlap()
-            return self._sample(reqs, t)
+            return self._verify(reqs, t) if any(r.drafts for r in reqs) else self._sample(reqs, t)
         batch, sampled_idx = self.build_batch(reqs, extend_lens)
         if self.tp is not None:
             broadcast_batch(self.tp, batch)
@@ -133,8 +145,10 @@ class ModelRunner:
         sampled = [reqs[i] for i in sampled_idx]
         if not sampled:
             return StepOutput([], [], None, None, None, None, None, None)
-        return self._sample(sampled, step_tensors(self.model, hidden[batch.sample_rows], self.outputs,
-                                                  greedy=self._greedy(sampled)))
+        t = step_tensors(self.model, hidden[batch.sample_rows], self.outputs, greedy=self._greedy(sampled))
+        if any(r.drafts for r in sampled):
+            return self._verify(sampled, t)
+        return self._sample(sampled, t)
 
     @staticmethod
     def _greedy(sampled: list[Req]) -> bool:
@@ -142,7 +156,40 @@ class ModelRunner:
         (so a step may take the screened head: tokenrouter/models/screened_head.py)."""
         return all(r.params.temperature == 0.0 and r.params.logprobs is None and not processed(r) for r in sampled)
 
-    def _sample(self, sampled: list[Req], t: StepTensors) -> StepOutput:
+    def _verify(self, sampled: list[Req], t: StepTensors) -> StepOutput:
+        """Speculative verification (Req.drafts): each request's rows sample at the token before its
+        drafts and at each draft, keyed by position like any sample, so row j draws the token this
+        model would write at that position itself. The request keeps its drafts up to the first one
+        its own draw disagrees with, and takes that row's draw as its next token."""
+        span = [r.drafts + 1 for r in sampled]
+        rows = [r for r, n in zip(sampled, span) for _ in range(n)]
+        ends = [len(r.tokens) + 1 - n for r, n in zip(sampled, span)]  # position of each request's first draft
+        positions = [e + j for e, n in zip(ends, span) for j in range(n)]
+        drawn = self._draw(rows, t, positions)
+        pick, accepted, start = [], [], 0
+        for r, n in zip(sampled, span):
+            a = 0
+            while a < n - 1 and drawn[start + a] == r.tokens[len(r.tokens) - r.drafts + a]:
+                a += 1
+            accepted.append(a)
+            pick.append(start + a)
+            start += n
+        index = torch.tensor(pick, dtype=torch.int64, device=t.hidden.device)
+        out = self._sample(sampled, t.rows(index), [len(r.tokens) - r.drafts + a for r, a in zip(sampled, accepted)])
+        return out._replace(accepted=accepted)
+
+    def _draw(self, rows: list[Req], t: StepTensors, positions: list[int]) -> list[int]:
+        """The token each row samples at its position (logits processing is not applied: a request
+        that needs it never drafts)."""
+        if t.logits is None:
+            assert t.argmax is not None
+            return t.argmax.tolist()
+        sb = SamplingBatch([r.params.temperature for r in rows], [r.params.top_k for r in rows],
+                           [r.params.top_p for r in rows], [r.seed for r in rows], positions)
+        return self.sampler.sample(t.logits, sb).tolist()
+
+    def _sample(self, sampled: list[Req], t: StepTensors, positions: list[int] | None = None) -> StepOutput:
+        """`positions`: of the token each row samples (default: after the request's last token)."""
         spec = self.outputs
         if t.logits is None:  # the screened head: every row greedy (see _greedy)
             assert t.argmax is not None
@@ -153,7 +200,7 @@ class ModelRunner:
             top_ks=[r.params.top_k for r in sampled],
             top_ps=[r.params.top_p for r in sampled],
             seeds=[r.seed for r in sampled],
-            positions=[len(r.tokens) for r in sampled],
+            positions=positions if positions is not None else [len(r.tokens) for r in sampled],
         )
         next_ids = self.sampler.sample(process_logits(t.logits, sampled, self.eos_token_ids), sb)
         logprobs = top_lps = None

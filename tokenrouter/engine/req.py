@@ -34,6 +34,11 @@ class Req:
     - `look_ahead`: RUNNING though handed to a peer, for one row: its last token, which this model
       wrote and has not computed. The engine sets the row's sample aside and turns it PENDING
       (Engine.hand_off); the scheduler never preempts it for it nor launches a step for it alone.
+    - `drafts`: the last `drafts` tokens are a peer's proposals for this model to verify, not yet
+      output (speculative decoding). The next step samples at each of them and at the token before,
+      keeps the longest run its own samples agree with and commits it (Engine.accept_drafts); so
+      while RUNNING, `extend_len > drafts`, and the step's last chunk holds every verified row. (The
+      proposing model appends its drafts as plain tokens: Engine.append_draft.)
     """
 
     rid: str
@@ -58,6 +63,7 @@ class Req:
     prefix_hit_tokens: int = 0  # tokens taken from the prefix cache at the last admission
     num_preemptions: int = 0
     look_ahead: bool = False
+    drafts: int = 0
     pending_since: float = 0.0  # when it last went PENDING (monotonic): after its look-ahead row, which ran here
     grammar: GrammarState | None = None  # this model's matcher of the structured output, if any
     # Prompt logprobs (params.prompt_logprobs): one entry per prompt token from the second on, filled
@@ -69,6 +75,15 @@ class Req:
     def wants_prompt_logprobs(self) -> bool:
         """Prompt logprobs asked for and not all computed yet: its prompt must run through the model."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.prompt_len - 1
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether its tokens may be drafted and verified (speculative decoding): a verifier samples
+        a draft's position from the model's own logits and reports no logprob for it, so no rule
+        may change the logits (grammar, logit_bias, min_tokens, penalties) and no logprobs are asked."""
+        p = self.params
+        return (self.grammar is None and not p.logit_bias and p.min_tokens == 0 and not p.penalized
+                and p.logprobs is None)
 
     @property
     def extend_len(self) -> int:

@@ -193,7 +193,9 @@ class Scheduler:
         for req in order:
             if req.status is not running or budget == 0:
                 continue  # preempted by an earlier request of this loop, or out of budget
-            n = min(len(req.tokens) - req.kv_len, budget)
+            n = _chunk(req, len(req.tokens) - req.kv_len, budget)
+            if n == 0:
+                continue
             if -(-(req.kv_len + n) // p) > len(req.pages) and not self._grow(req, req.kv_len + n, protect=reqs):
                 continue
             reqs.append(req)
@@ -260,8 +262,11 @@ class Scheduler:
         p = self.cfg.page_size
         # At least the last token must run: it produces the logits to sample from. A request that
         # still wants prompt logprobs takes no cache hit: every prompt position must run through the model.
-        match = self.cache.match_prefix([] if req.wants_prompt_logprobs else req.tokens[:-1])
-        n = min(len(req.tokens) - match.length, budget)
+        # Drafts to verify: the token before them runs too (Req.drafts).
+        match = self.cache.match_prefix([] if req.wants_prompt_logprobs else req.tokens[:-1 - req.drafts])
+        n = _chunk(req, len(req.tokens) - match.length, budget)
+        if n == 0:
+            return 0
         need = math.ceil((match.length + n) / p) - len(match.pages)
         if need + headroom > self._available_pages() - self._evictable_in(match):
             if self.running:
@@ -326,3 +331,11 @@ class Scheduler:
                 f"page leak: free {len(free)} + cached {len(cached)} + private {len(private)} "
                 f"!= total {self.pool.num_pages}"
             )
+
+
+def _chunk(req: Req, remaining: int, budget: int) -> int:
+    """How many of req's `remaining` tokens run this step: all that the budget takes, but a chunk
+    that stops short leaves the drafts and the token before them whole for the last chunk (0: wait)."""
+    if remaining <= budget:
+        return remaining
+    return max(0, min(budget, remaining - req.drafts - 1)) if req.drafts else budget

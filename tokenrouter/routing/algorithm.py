@@ -22,10 +22,16 @@ class Route(NamedTuple):
     dest None: stay on this model. Otherwise hand the request to model `dest`; `keep` says whether
     the token just sampled here is committed first (the ensemble keeps it; R2R, CITER and Co-LLM drop
     the small model's uncertain token so the peer writes that position).
+
+    `draft`: the token is a proposal (speculative decoding). It is appended on this model but neither
+    output nor checked for a stop; with dest None the request drafts on here, else `dest` verifies
+    every draft the request holds in one step: it commits the longest run its own samples agree
+    with, then its own next token, and hands the request back cut there (Req.drafts).
     """
 
     dest: str | None
     keep: bool = True
+    draft: bool = False
 
 
 STAY = Route(None, True)

@@ -10,10 +10,12 @@ class PeerReq(msgspec.Struct, kw_only=True):
 
     The receiver truncates its copy of request `rid` to `loc` (the absolute position, in prompt +
     output, where `suffix` starts), appends `suffix`, and runs it. `finished` tells a peer that the
-    request is over so it frees its KV.
+    request is over so it frees its KV. `draft`: the suffix's last `draft` tokens are proposals for
+    the receiver to verify (the runtime sets it from the sender's Route.draft tokens).
     """
 
     rid: str
     suffix: list[int]
     loc: int
     finished: bool = False
+    draft: int = 0

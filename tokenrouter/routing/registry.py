@@ -27,10 +27,11 @@ from tokenrouter.routing.ensemble import Ensemble
 from tokenrouter.routing.r2r import R2R
 from tokenrouter.routing.r_stitch import RStitch
 from tokenrouter.routing.single import SingleModel
+from tokenrouter.routing.speculative import Speculative
 
 ENTRY_POINT_GROUP = "tokenrouter.algorithms"
 BUILTIN_ALGORITHMS: dict[str, type[RoutingAlgorithm]] = {
-    cls.name: cls for cls in (SingleModel, Bernoulli, Citer, R2R, CoLLM, RStitch, Ensemble)}
+    cls.name: cls for cls in (SingleModel, Bernoulli, Citer, R2R, CoLLM, RStitch, Ensemble, Speculative)}
 
 
 def registered_names() -> list[str]:

@@ -20,6 +20,8 @@ class RequestState:
     at_peer: bool = False  # handed to a peer and not back (PENDING here, or first running its look-ahead row)
     prompt_logprobs_due: bool = False  # the entry still awaits its prompt logprobs from this model
     alone: bool = False  # this model writes it alone (routing.model): never routed
+    drafted: int = 0  # its last tokens, this model's drafts for the next hand-off to verify (Route.draft)
+    drafter: str | None = None  # the peer whose drafts this model's next step verifies (Req.drafts)
 
     def end_pending(self, req: Req | None, now: float) -> float:
         """It is back (or gone; req, before the engine resumes or drops it): the seconds it was

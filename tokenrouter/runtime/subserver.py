@@ -291,7 +291,7 @@ class Subserver:
                 return
             try:
                 req = eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
-                                      prompt_len=msg.first.prompt_len)
+                                      prompt_len=msg.first.prompt_len, drafts=peer.draft)
             except ValueError as e:
                 self.io.send(self.io.to_entry, ReqError(self.name, rid, str(e)))
                 return
@@ -305,10 +305,12 @@ class Subserver:
         else:
             state = self.states.live[rid]
             self.pending_seconds += state.end_pending(eng.reqs[rid], time.monotonic())
-            answered = eng.receive(rid, peer.loc, peer.suffix)
+            answered = eng.receive(rid, peer.loc, peer.suffix, peer.draft)
             if answered is not None:
                 self.answered.append(answered)
         state.known[sender] = peer.loc + len(peer.suffix)
+        state.drafted = 0  # the hand-back cut our drafts where the peer stopped accepting them
+        state.drafter = sender if peer.draft else None
         state.handoffs = msg.handoffs
         self.attribution.received(rid, msg.trace)
 
@@ -368,11 +370,28 @@ class Subserver:
         t2 = time.perf_counter() if tracing else 0.0
         now = time.monotonic()
         events: list[TokenEvent] = []
+        drafted: dict[str, list[TokenEvent]] = {}  # drafter -> the drafts this step accepted from it
         finished: list[Req] = []
         handoffs: list[tuple[Req, str]] = []
         for i, (req, tok, route) in enumerate(zip(out.reqs, out.token_ids, routes)):
             if route is None:
                 continue  # failed in route
+            if out.accepted is not None and live[req.rid].drafter is not None:
+                try:
+                    self._accept_drafts(req, now, drafted)
+                except Exception:  # noqa: BLE001 - fail this request, not the step
+                    logger.exception("%s: committing the drafts of request %s failed", self.name, req.rid)
+                    self._fail(req.rid, "commit")
+                    continue
+                if req.finished:
+                    finished.append(req)
+                    continue
+            if route.draft:
+                eng.append_draft(req, tok)
+                live[req.rid].drafted += 1
+                if route.dest is not None:
+                    handoffs.append((req, route.dest))
+                continue
             if route.dest is None or route.keep:
                 try:  # stop strings, grammar: per-request work that may raise on this request's data
                     eng.append_token(req, tok, now, out, i)
@@ -398,6 +417,8 @@ class Subserver:
             state.handoffs += 1
             counts[req.rid] = state.handoffs
         # Tokens first: the entry must see a request's last token no later than its finish.
+        for drafter, items in drafted.items():
+            self.io.send_later(self.io.to_entry, Tokens(drafter, items))
         if events or counts:
             self.io.send_later(self.io.to_entry, Tokens(self.name, events, counts))
         t4 = time.perf_counter() if tracing else 0.0
@@ -427,6 +448,19 @@ class Subserver:
         stages["drain"], self.drain_seconds = self.drain_seconds, 0.0
         stages["overlap"], self.overlap_seconds = self.overlap_seconds, 0.0
         self.trace.write_stages(self.index, start, stages)
+
+    def _accept_drafts(self, req: Req, now: float, drafted: dict[str, list[TokenEvent]]) -> None:
+        """req's drafts were verified this step: commit those accepted (their events go out as the
+        drafter's); the drafter holds our tokens up to the first it drafted in vain."""
+        state = self.states.live[req.rid]
+        drafter, state.drafter = state.drafter, None
+        assert drafter is not None, f"{req.rid} verified drafts from no peer"
+        state.known[drafter] = min(state.known[drafter], len(req.tokens))
+        n = self.engine.accept_drafts(req, now)
+        end = len(req.tokens)
+        trace = Trace([]) if req.rid in self.attribution.traced else None
+        drafted.setdefault(drafter, []).extend(
+            TokenEvent(req.rid, pos, req.tokens[pos], None, None, trace) for pos in range(end - n, end))
 
     @staticmethod
     def _event(req: Req, out: StepOutput, row: int, trace: Trace | None = None) -> TokenEvent:
@@ -467,6 +501,11 @@ class Subserver:
             first = FirstVisit(req.prompt_len, dataclasses.replace(req.params, prompt_logprobs=None), req.seed,
                                self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
+        if state.drafted:
+            if len(peer.suffix) < state.drafted or peer.loc + len(peer.suffix) != len(req.tokens):
+                raise ValueError(f"{self.algorithm.name}.send: the hand-off of {req.rid} must end with "
+                                 f"its {state.drafted} drafts")
+            peer.draft, state.drafted = state.drafted, 0
         self.engine.hand_off(req, self.look_ahead)
         state.at_peer = True
         self.pending_periods += 1

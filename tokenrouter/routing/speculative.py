@@ -1,0 +1,83 @@
+"""`speculative`: lossless routing. The first model drafts a run of `draft_tokens` tokens; the second
+verifies the run in one step, keeps the longest prefix its own samples agree with, writes the next
+token itself and hands the request back (Route.draft, Req.drafts). Samples are keyed by (seed,
+position), so the second model's sample at a draft's position is the token it would write there
+alone: the answer is the second model's own, token for token, greedy or sampled with the same seed
+(up to the rounding of a step's batch shape, as between any two batches).
+
+A request whose logits a rule changes (grammar, logit_bias, min_tokens, penalties) or that asks for
+logprobs is not drafted: the first model prefills it and the second writes every token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tokenrouter.engine.model_runner import StepOutput
+from tokenrouter.engine.req import Req
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError
+from tokenrouter.routing.peer_req import PeerReq
+
+if TYPE_CHECKING:
+    from tokenrouter.engine.engine import Engine
+
+MAX_DRAFT_TOKENS = 16
+
+
+def draft_length(field: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DRAFT_TOKENS:
+        raise RoutingParamError(field, f"must be an integer in [1, {MAX_DRAFT_TOKENS}], got {value!r}")
+    return value
+
+
+class Speculative(RoutingAlgorithm):
+    name = "speculative"
+    request_params = ("draft_tokens",)
+
+    def __init__(self, models: list[str], draft_tokens: int = 2) -> None:
+        super().__init__(models)
+        if len(models) != 2:
+            raise ValueError(f"speculative: needs two models (drafter, verifier), got {models}")
+        self.drafter, self.verifier = models
+        try:
+            self.draft_tokens = draft_length("draft_tokens", draft_tokens)
+        except RoutingParamError as e:
+            raise ValueError(f"speculative: {e}") from None
+        self.verified: dict[str, int] = {}  # rid -> how many of its tokens are output (past them: drafts)
+        self.eos: frozenset[int] = frozenset()
+        self.max_len = 0
+
+    @classmethod
+    def check_request_value(cls, field: str, value: Any) -> Any:
+        return draft_length(field, value)
+
+    def bind(self, model: str, engine: Engine) -> None:
+        self.eos = frozenset(engine.eos_token_ids)
+        self.max_len = engine.max_model_len
+
+    def on_start(self, req: Req) -> None:
+        self.verified[req.rid] = len(req.tokens)
+
+    def on_finish(self, req: Req) -> None:
+        self.verified.pop(req.rid, None)
+
+    def receive(self, peer: PeerReq, model: str) -> PeerReq:
+        if model == self.drafter and peer.rid in self.verified:
+            self.verified[peer.rid] = peer.loc + len(peer.suffix)  # the verifier's hand-back
+        return peer
+
+    def route(self, model: str, step: StepOutput) -> list[Route]:
+        if model == self.verifier:
+            return [Route(self.drafter) if r.may_draft else STAY for r in step.reqs]
+        routes = []
+        for req, tok in zip(step.reqs, step.token_ids):
+            if not req.may_draft:
+                routes.append(Route(self.verifier, keep=False))
+                continue
+            n = len(req.tokens) + 1 - self.verified[req.rid]  # this token is the run's n-th draft
+            p = req.params
+            last = (n >= self.params_of[req.rid]["draft_tokens"] or (tok in self.eos and not p.ignore_eos)
+                    or tok in p.stop_token_ids or len(req.tokens) + 1 >= self.max_len
+                    or (p.max_tokens is not None and req.num_output + 1 >= p.max_tokens))
+            routes.append(Route(self.verifier if last else None, draft=True))
+        return routes
