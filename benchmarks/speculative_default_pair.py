@@ -9,12 +9,15 @@ Systems (each `tokenrouter serve`, one at a time on the machine):
   large        SmolLM2 alone (`--model-path`)
 Phases:
   same      held-out arithmetic questions in SmolLM2's chat template, --same of them, 64 tokens at
-            most, up to EOS: greedy, then sampled (temperature 0.8, request seed = its index);
-            how many answers are token for token SmolLM2's, and where the others part
+            most, up to EOS, 8 at a time: greedy, then sampled (temperature 0.8, request seed = its
+            index); how many answers are token for token SmolLM2's, and where the others part.
+            The floor: SmolLM2 alone's greedy answers one at a time against its own 8 at a time
+            (a step's batch shape rounds near ties: its products switch kernels by row count)
   chi2      --draws unseeded sampled answers (temperature 1, 3 tokens) of two fixed questions on
             each system: a chi-square test of homogeneity of the three-token sequences (rarer
             ones pooled)
-  speed     32 requests x 64 tokens (EOS ignored), closed loop at --concurrency, each k of
+  speed     32 requests, up to EOS or 64 tokens (the same answers on both systems), closed loop
+            at --concurrency, each k of
             --draft-tokens and SmolLM2 alone, --rounds rounds in rotated order; output tokens per
             second (median over rounds), the ratio to SmolLM2 alone, and the share of tokens
             accepted from drafts
@@ -84,7 +87,7 @@ def speed(url: str, model: str, prompts: list[list[int]], c: int, routing: dict[
     from tokenrouter.bench.loadgen import BenchConfig, run_bench
 
     cfg = BenchConfig(base_url=url, model=model, prompts=prompts, max_tokens=64, num_requests=32, concurrency=c,
-                      warmup=2, extra_body={"routing": routing} if routing else {})
+                      warmup=2, ignore_eos=False, extra_body={"routing": routing} if routing else {})
     summary, results = asyncio.run(run_bench(cfg, progress=False))
     per_model: Counter[str] = Counter()
     for r in results:
@@ -146,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     qs = questions[:args.same]
                     g["greedy"] = answers(srv.url, system, qs, 64, 0.0, [None] * len(qs))
                     g["sampled"] = answers(srv.url, system, qs, 64, 0.8, list(range(len(qs))))
+                    if system == "large":
+                        g["greedy_one_at_a_time"] = answers(srv.url, system, qs, 64, 0.0, [None] * len(qs), workers=1)
                 if "chi2" in phases:
                     for j, q in enumerate(fixed):
                         g[f"draws{j}"] = answers(srv.url, system, [q] * args.draws, 3, 1.0, [None] * args.draws,
@@ -154,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
                 srv.stop()
         if "same" in phases:
             result["same"] = {kind: parted(got["speculative"][kind], got["large"][kind]) for kind in ("greedy", "sampled")}
+            result["same"]["floor: large one at a time"] = parted(got["large"]["greedy_one_at_a_time"],
+                                                                  got["large"]["greedy"])
             print("same:", json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "first_difference_at"}
                                        for k, v in result["same"].items()}), flush=True)
         if "chi2" in phases:

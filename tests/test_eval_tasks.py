@@ -4,12 +4,14 @@ and the accuracy's Wilson interval."""
 from __future__ import annotations
 
 import math
+import operator
 import re
+from fractions import Fraction
 
 import pytest
 
-from tokenrouter.training import arith, champ
-from tokenrouter.training.evaluation.metrics import is_correct, wilson
+from tokenrouter.training import arith, arith_unseen, champ
+from tokenrouter.training.evaluation.metrics import PairedDifference, is_correct, wilson
 from tokenrouter.training.evaluation.tasks import task
 
 
@@ -69,3 +71,43 @@ def test_wilson_interval():
     # 300 items at accuracy 0.5: about +-0.056
     lo, hi = wilson(150, 300)
     assert hi - lo == pytest.approx(0.112, abs=0.002)
+
+
+def test_unseen_operations_are_new_disjoint_and_asked_in_both_wordings():
+    """No operation of the unseen parts is one a model or a choice learns from (or the old held-out
+    part's), either way round where it commutes; validation and test share none; both wordings ask
+    the same operations; the answers are right; operands reach past the training ranges."""
+    seen = arith_unseen.seen_operations()
+    plain, reworded = arith_unseen.split(), arith_unseen.split(reworded=True)
+    assert plain == arith_unseen.split() and len(plain.validation) == 200 and len(plain.test) == 300
+    ops = {part: [arith_unseen.operation_of(p) for p in getattr(plain, part)] for part in ("validation", "test")}
+    assert not {o.key for o in ops["validation"] + ops["test"]} & seen
+    assert not {o.key for o in ops["validation"]} & {o.key for o in ops["test"]}
+    assert len({o.key for o in ops["test"]}) == len(ops["test"])
+    for part in ("validation", "test"):
+        assert [arith_unseen.operation_of(p) for p in getattr(reworded, part)] == ops[part]
+        assert [p.text for p in getattr(reworded, part)] != [p.text for p in getattr(plain, part)]
+        for p in getattr(plain, part) + getattr(reworded, part):
+            o = arith_unseen.operation_of(p)
+            assert {str(o.a), str(o.b)} <= set(re.findall(r"\d+", p.text)), (o, p.text)
+            assert Fraction(p.answer) == {"+": operator.add, "-": operator.sub, "*": operator.mul,
+                                          "/": Fraction}[o.op](o.a, o.b)
+    assert max(o.a for o in ops["test"] if o.op == "+") > 99  # arith.py adds numbers below 100
+    assert {o.op for o in ops["test"]} == {"+", "-", "*", "/"}
+    assert arith_unseen.Operation("+", 3, 9).key == arith_unseen.Operation("+", 9, 3).key
+    assert arith_unseen.Operation("-", 9, 3).key != arith_unseen.Operation("-", 3, 9).key
+
+
+def test_paired_difference_interval_and_mcnemar():
+    from scipy.stats import binomtest
+
+    a = [1.0] * 40 + [0.0] * 60
+    b = [1.0] * 25 + [0.0] * 15 + [1.0] * 5 + [0.0] * 55  # 15 only a gets right, 5 only b
+    d = PairedDifference.of(a, b)
+    assert d.difference == pytest.approx(0.10)
+    assert d.low < 0.10 < d.high and d.high - d.low < 0.2
+    assert d.mcnemar_p == pytest.approx(binomtest(15, 20).pvalue)
+    assert PairedDifference.of(a, a) == (0.0, 0.0, 0.0, 1.0)
+    assert PairedDifference.of(a, [0.5] * 100).mcnemar_p is None
+    with pytest.raises(ValueError, match="equal"):
+        PairedDifference.of(a, b[:10])

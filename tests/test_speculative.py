@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from engine_utils import make_engine, prompts_of
+from prometheus_client.parser import text_string_to_metric_families
 from routing_utils import Rig, build_pair
 
 from tokenrouter.engine.req import Req
@@ -14,6 +15,7 @@ from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.routing.algorithm import RoutingParamError
 from tokenrouter.routing.speculative import Speculative
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.server.metrics import ServerMetrics
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,12 @@ def test_the_answer_is_the_verifiers_own(rigs, paths, drafter, sampled):
     else:  # another random model: most are rejected, and the verifier writes the rest
         assert stats.drafts_accepted < stats.drafts_verified
     assert rig.small.engine.stats.drafts_verified == 0
+    scraped = {f.name: f for f in text_string_to_metric_families(
+        ServerMetrics("pair").render({n: rig.subs[n].stats() for n in ("small", "large")}, 0, 0, None).decode())}
+    for name, value in (("draft", stats.drafts_verified), ("accepted", stats.drafts_accepted)):
+        samples = {s.labels["model"]: s.value for s in scraped[f"tokenrouter_model_spec_decode_{name}_tokens"].samples
+                   if s.name.endswith("_total")}
+        assert samples == {"small": 0.0, "large": float(value)}
 
 
 def test_a_stop_inside_a_run_of_drafts_ends_the_answer_where_the_verifier_ends_it(rigs, paths):

@@ -211,6 +211,8 @@ class Stats(msgspec.Struct, tag="stats"):
     aborted_requests: int = 0  # live requests this model dropped on an Abort
     look_aheads: int = 0  # rows run ahead for requests at a peer (engine.py Engine.hand_off)
     look_ahead_hits: int = 0  # of those, the ones answered from when the request came back
+    drafts_verified: int = 0  # peers' drafts this model verified (engine.py Engine.accept_drafts)
+    drafts_accepted: int = 0  # of those, the ones it kept
     request_errors: dict[str, int] = msgspec.field(default_factory=dict)  # requests failed alone, by stage
 
 

@@ -525,6 +525,7 @@ class Subserver:
             step_seconds_sum=self.step_seconds_sum, step_buckets=list(self.step_buckets),
             aborted_requests=self.aborted_requests, request_errors=dict(self.request_errors),
             look_aheads=eng.stats.look_aheads, look_ahead_hits=eng.stats.look_ahead_hits,
+            drafts_verified=eng.stats.drafts_verified, drafts_accepted=eng.stats.drafts_accepted,
         )
 
     def close(self) -> None:

@@ -68,6 +68,10 @@ class _EngineCollector(Collector):
                                       lambda s: s.look_aheads),
             "model_look_ahead_hits": ("Requests that came back to a model whose next token a look-ahead "
                                       "had already sampled (answered without a step)", lambda s: s.look_ahead_hits),
+            "model_spec_decode_draft_tokens": ("Draft tokens a model verified for a peer (speculative)",
+                                               lambda s: s.drafts_verified),
+            "model_spec_decode_accepted_tokens": ("Of those, the ones its own samples agreed with",
+                                                  lambda s: s.drafts_accepted),
         }
         for name, (doc, get) in counters.items():
             counter = CounterMetricFamily(f"tokenrouter_{name}", doc, labels=["model"])

@@ -38,6 +38,9 @@ class Problem(champ.Problem):
         return INSTRUCTION + self.text
 
 
+BARE = "What is {a} {op} {b}?"
+
+
 def _bare(op: str, lo: int, hi: int) -> Callable[[random.Random], tuple[str, int, str]]:
     def make(r: random.Random) -> tuple[str, int, str]:
         a, b = r.randint(lo, hi), r.randint(lo, hi)
@@ -45,33 +48,40 @@ def _bare(op: str, lo: int, hi: int) -> Callable[[random.Random], tuple[str, int
             a = r.randint(lo + 1, hi)
             b = r.randint(lo, a - 1)
         c = {"+": a + b, "-": a - b, "*": a * b}[op]
-        return f"What is {a} {op} {b}?", c, f"{a} {op} {b} = {c}. The answer is {c}."
+        return BARE.format(a=a, op=op, b=b), c, solution(a, op, b, c)
     return make
+
+
+# The word problems' questions (arith_unseen.py asks them with other operands).
+WORD_ADD = "{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?"
+WORD_SUB = "{name} had {a} {item} and gave {b} of them away. How many {item} does {name} have left?"
+WORD_MUL = "Each box holds {a} {item}. How many {item} are in {b} boxes?"
+WORD_DIV = "{ab} {item} are shared equally among {b} children. How many {item} does each child get?"
+
+
+def solution(a: int, op: str, b: int, c: int) -> str:
+    return f"{a} {op} {b} = {c}. The answer is {c}."
 
 
 def _word_add(r: random.Random) -> tuple[str, int, str]:
     name, item, a, b = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 40), r.randint(2, 40)
-    return (f"{name} has {a} {item} and gets {b} more. How many {item} does {name} have now?", a + b,
-            f"{a} + {b} = {a + b}. The answer is {a + b}.")
+    return WORD_ADD.format(name=name, item=item, a=a, b=b), a + b, solution(a, "+", b, a + b)
 
 
 def _word_sub(r: random.Random) -> tuple[str, int, str]:
     name, item, b = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 30)
     a = b + r.randint(1, 40)
-    return (f"{name} had {a} {item} and gave {b} of them away. How many {item} does {name} have left?", a - b,
-            f"{a} - {b} = {a - b}. The answer is {a - b}.")
+    return WORD_SUB.format(name=name, item=item, a=a, b=b), a - b, solution(a, "-", b, a - b)
 
 
 def _word_mul(r: random.Random) -> tuple[str, int, str]:
     item, a, b = r.choice(ITEMS), r.randint(2, 9), r.randint(2, 9)
-    return (f"Each box holds {a} {item}. How many {item} are in {b} boxes?", a * b,
-            f"{a} * {b} = {a * b}. The answer is {a * b}.")
+    return WORD_MUL.format(item=item, a=a, b=b), a * b, solution(a, "*", b, a * b)
 
 
 def _word_div(r: random.Random) -> tuple[str, int, str]:
     item, a, b = r.choice(ITEMS), r.randint(2, 9), r.randint(2, 9)
-    return (f"{a * b} {item} are shared equally among {b} children. How many {item} does each child get?", a,
-            f"{a * b} / {b} = {a}. The answer is {a}.")
+    return WORD_DIV.format(ab=a * b, item=item, b=b), a, solution(a * b, "/", b, a)
 
 
 KINDS: tuple[Callable[[random.Random], tuple[str, int, str]], ...] = (

@@ -16,9 +16,19 @@ HELD_OUT = 300
 SEED_OFFSET = 104_729  # a generator stream neither arith.split nor arith.training_problems reads
 
 
+# The questions' templates, per operation (arith_unseen.py asks them with other operands).
+SUM = ("Compute {a} plus {b}.", "Find the sum of {a} and {b}.", "Add {a} and {b}.")
+DIFFERENCE = ("Subtract {b} from {a}.", "How much is {a} minus {b}?", "Find the difference between {a} and {b}.")
+PRODUCT = ("Multiply {a} by {b}.", "Compute {a} times {b}.", "What do you get when you multiply {a} by {b}?")
+MORE = "A shelf holds {a} {item}. {name} puts {b} more {item} on it. How many {item} are on the shelf?"
+FEWER = "There were {a} {item} in a bag. {name} took out {b}. How many {item} are still in the bag?"
+ROWS = "There are {b} rows with {a} {item} in each row. How many {item} are there in total?"
+GROUPS = "{b} friends split {ab} {item} so that each gets the same number. How many {item} does each get?"
+
+
 def _sum(r: random.Random, lo: int, hi: int) -> tuple[str, int]:
     a, b = r.randint(lo, hi), r.randint(lo, hi)
-    return r.choice((f"Compute {a} plus {b}.", f"Find the sum of {a} and {b}.", f"Add {a} and {b}.")), a + b
+    return r.choice(SUM).format(a=a, b=b), a + b
 
 
 def _small_sum(r: random.Random) -> tuple[str, int]:
@@ -32,36 +42,33 @@ def _big_sum(r: random.Random) -> tuple[str, int]:
 def _difference(r: random.Random) -> tuple[str, int]:
     a = r.randint(11, 99)
     b = r.randint(10, a - 1)
-    return r.choice((f"Subtract {b} from {a}.", f"How much is {a} minus {b}?",
-                     f"Find the difference between {a} and {b}.")), a - b
+    return r.choice(DIFFERENCE).format(a=a, b=b), a - b
 
 
 def _product(r: random.Random) -> tuple[str, int]:
     a, b = r.randint(2, 12), r.randint(2, 12)
-    return r.choice((f"Multiply {a} by {b}.", f"Compute {a} times {b}.",
-                     f"What do you get when you multiply {a} by {b}?")), a * b
+    return r.choice(PRODUCT).format(a=a, b=b), a * b
 
 
 def _more(r: random.Random) -> tuple[str, int]:
     name, item, a, b = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 40), r.randint(2, 40)
-    return (f"A shelf holds {a} {item}. {name} puts {b} more {item} on it. How many {item} are on the shelf?",
-            a + b)
+    return MORE.format(a=a, item=item, name=name, b=b), a + b
 
 
 def _fewer(r: random.Random) -> tuple[str, int]:
     name, item, b = r.choice(NAMES), r.choice(ITEMS), r.randint(2, 30)
     a = b + r.randint(1, 40)
-    return f"There were {a} {item} in a bag. {name} took out {b}. How many {item} are still in the bag?", a - b
+    return FEWER.format(a=a, item=item, name=name, b=b), a - b
 
 
 def _rows(r: random.Random) -> tuple[str, int]:
     item, a, b = r.choice(ITEMS), r.randint(2, 9), r.randint(2, 9)
-    return f"There are {b} rows with {a} {item} in each row. How many {item} are there in total?", a * b
+    return ROWS.format(b=b, a=a, item=item), a * b
 
 
 def _groups(r: random.Random) -> tuple[str, int]:
     item, a, b = r.choice(ITEMS), r.randint(2, 9), r.randint(2, 9)
-    return f"{b} friends split {a * b} {item} so that each gets the same number. How many {item} does each get?", a
+    return GROUPS.format(b=b, ab=a * b, item=item), a
 
 
 KINDS: tuple[Callable[[random.Random], tuple[str, int]], ...] = (

@@ -152,3 +152,31 @@ class OracleMatch(NamedTuple):
                 critical += a != b
                 hits += large_wrote and a != b
         return cls(routed, critical, hits)
+
+
+class PairedDifference(NamedTuple):
+    """Two systems' accuracies on the same problems: their difference, its 95% paired-bootstrap
+    interval, and McNemar's exact two-sided p-value (None where an answer's score is not 0 or 1,
+    as for an expected score over random routing)."""
+
+    difference: float
+    low: float
+    high: float
+    mcnemar_p: float | None
+
+    @classmethod
+    def of(cls, a: Sequence[float], b: Sequence[float], draws: int = 10_000, seed: int = 0) -> PairedDifference:
+        """`a`, `b`: each problem's score (1 right, 0 wrong, or an expectation in between)."""
+        import numpy as np
+        from scipy.stats import binomtest
+
+        if len(a) != len(b) or not a:
+            raise ValueError(f"paired scores need equal, non-zero counts, got {len(a)} and {len(b)}")
+        d = np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)
+        idx = np.random.default_rng(seed).integers(0, len(d), size=(draws, len(d)))
+        means = d[idx].mean(axis=1)
+        p = None
+        if all(x in (0.0, 1.0) for x in (*a, *b)):
+            wins, losses = int((d > 0).sum()), int((d < 0).sum())
+            p = float(binomtest(wins, wins + losses).pvalue) if wins + losses else 1.0
+        return cls(float(d.mean()), float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975)), p)
