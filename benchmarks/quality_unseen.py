@@ -23,8 +23,11 @@ system against the reference: the paired difference [95% bootstrap], McNemar's e
 reference's accuracy as a share of SmolLM2's; the oracle: the share of positions in SmolLM2's right
 answers where the small model's greedy token departs from SmolLM2's.
 
-    .venv/bin/python benchmarks/quality_unseen.py --part validation --out docs/eval/unseen
-    .venv/bin/python benchmarks/quality_unseen.py --part test --reference 0.49 --out docs/eval/unseen
+Writes OUT/PART_MAXTOKENS.json.
+
+    .venv/bin/python benchmarks/quality_unseen.py --part validation --max-tokens 64 --out docs/eval/unseen
+    .venv/bin/python benchmarks/quality_unseen.py --part test --max-tokens 64 --thresholds 0.4898 0.6 \
+        --reference 0.6 --out docs/eval/unseen
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * d['high']:+.1f}] p={d['mcnemar_p']}"), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.part}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{args.part}_{args.max_tokens}.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

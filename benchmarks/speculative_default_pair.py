@@ -33,6 +33,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     large_path = pair["models"][1]["path"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec_yaml = out.with_name(out.name + "_pair.yaml")
+    spec_yaml = Path(tempfile.mkdtemp(prefix="speculative-")) / "pair.yaml"
     spec_yaml.write_text(yaml.safe_dump({**pair, "name": "speculative", "algorithm": {"name": "speculative"}},
                                         sort_keys=False))
     tok = AutoTokenizer.from_pretrained(large_path)

@@ -571,7 +571,11 @@ def _run_path(pair: dict[str, Any], look_ahead: bool, a_params: dict[str, Any],
             if entry.stop is not None and not aborted:
                 aborted = True
                 rig.abort("A")  # as the entry does on a stop string
-            return ((bool(rig.finished("A")) or aborted) and bool(rig.finished("B"))
+            # A's tokens come from both models over two connections: its finish may arrive before
+            # the other model's last tokens, so A is over when they are all placed.
+            done = rig.finished("A")
+            a_over = aborted or (bool(done) and len(entry.tokens) == done[0].length - len(pa))
+            return (a_over and bool(rig.finished("B"))
                     and not rig.large.engine.reqs and not rig.small.engine.reqs)
 
         rig.pump(over, "A and B over everywhere")

@@ -34,7 +34,7 @@ class Speculative(RoutingAlgorithm):
     name = "speculative"
     request_params = ("draft_tokens",)
 
-    def __init__(self, models: list[str], draft_tokens: int = 2) -> None:
+    def __init__(self, models: list[str], draft_tokens: int = 1) -> None:
         super().__init__(models)
         if len(models) != 2:
             raise ValueError(f"speculative: needs two models (drafter, verifier), got {models}")
