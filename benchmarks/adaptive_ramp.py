@@ -7,7 +7,8 @@ arrivals.
 2. One arrival schedule, seeded, replayed on both servers: the concurrency C(t) ramps 1 -> `--peak`
    -> 1 linearly over `--ramp-seconds`; arrivals are Poisson at rate C(t) / S (what keeps C(t)
    requests in flight at the lone request's speed), and at most C(t) run at once (an arrival waits
-   for a slot in order, as `vllm bench serve --max-concurrency` does). Each request is a held-out
+   for a slot in order, as `vllm bench serve --max-concurrency` does; an arrival still waiting when the
+   ramp ends is not sent, and counted as unsent). Each request is a held-out
    arithmetic problem (the default pair's task) as a streamed chat turn, greedy, `--max-tokens`.
 3. Per window of `--window` seconds (the server's adaptation window): the p99 TPOT of the requests
    that ended in it (vLLM's TPOT: (end - first token) / (tokens - 1)) against the target, output
@@ -150,12 +151,15 @@ async def run_schedule(url: str, model: str, knob: str | None, arrivals: list[fl
         tasks = []
         for i, arrival in enumerate(arrivals):
             await asyncio.sleep(max(0.0, t0 + arrival - time.monotonic()))
-            while inflight >= max(1, math.floor(concurrency(time.monotonic() - t0, args.ramp_seconds, args.peak))):
+            while (inflight >= max(1, math.floor(concurrency(time.monotonic() - t0, args.ramp_seconds, args.peak)))
+                   and time.monotonic() - t0 < args.ramp_seconds):
                 freed.clear()
                 try:
                     await asyncio.wait_for(freed.wait(), 0.05)  # C(t) can also rise while it waits
                 except asyncio.TimeoutError:
                     pass
+            if time.monotonic() - t0 >= args.ramp_seconds:
+                break  # the ramp is over: arrivals still waiting for a slot are not sent (counted as unsent)
             rec = Answer(arrival, time.monotonic() - t0)
             records.append(rec)
             inflight += 1
@@ -299,7 +303,8 @@ def main() -> int:
         runs: dict[str, dict[str, Any]] = {}
         records, live = asyncio.run(run_schedule(fixed.url, model, knob, arrivals, held_out, args, watch=False))
         runs["fixed"] = {"requests": [asdict(r) for r in records], "live": live,
-                         "windows": windows(records, args.window, members[-1], target_s), "summary": summary(records)}
+                         "windows": windows(records, args.window, members[-1], target_s), "summary": summary(records),
+                         "unsent": len(arrivals) - len(records)}
     finally:
         fixed.stop()
     flags = ["--target-tpot-ms", f"{target_s * 1e3:g}", "--adapt-window", f"{args.window:g}"]
@@ -310,7 +315,7 @@ def main() -> int:
         records, live = asyncio.run(run_schedule(adaptive.url, model, knob, arrivals, held_out, args, watch=True))
         runs["adaptive"] = {"requests": [asdict(r) for r in records], "live": live,
                             "windows": windows(records, args.window, members[-1], target_s),
-                            "summary": summary(records)}
+                            "summary": summary(records), "unsent": len(arrivals) - len(records)}
     finally:
         adaptive.stop()
 

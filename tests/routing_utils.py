@@ -134,10 +134,11 @@ class Rig:
         return self.subs["large"]
 
     # ---- the test as the entry -----------------------------------------------------------
-    def add(self, rid: str, tokens: list[int], seed: int, **params: Any) -> None:
+    def add(self, rid: str, tokens: list[int], seed: int, trace: bool = False, **params: Any) -> None:
+        """`trace`: the request asks for a per-token trace (`routing.trace`)."""
         params.setdefault("temperature", 0.0)
         params.setdefault("ignore_eos", True)
-        self.send("small", AddReq(rid, list(tokens), SamplingParams(**params), seed))
+        self.send("small", AddReq(rid, list(tokens), SamplingParams(**params), seed, trace=trace))
         self.drain_until("small", lambda: rid in self.small.engine.reqs, f"{rid} added on small")
 
     def send(self, name: str, msg: Any) -> None:

@@ -33,7 +33,7 @@ from tokenrouter.runtime.admission import AdmittedPlan
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Abort, Tokens
 from tokenrouter.runtime.reassembly import Reassembly
-from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.sampling_params import SamplingParams, StructuredOutput
 
 
 @pytest.fixture(scope="module")
@@ -519,7 +519,8 @@ def test_the_planner_turns_look_ahead_off_and_says_so(pair, caplog):
 
 # ---- each sampling path: the same events with an answered return as without look-ahead -------------
 
-PATHS = ["logprobs", "penalties", "logit_bias", "min_tokens", "max_tokens", "stop"]
+PATHS = ["logprobs", "penalties", "logit_bias", "min_tokens", "max_tokens", "stop", "json_schema", "trace"]
+SCHEMA = {"type": "object", "required": ["n"], "properties": {"n": {"type": "integer"}}}
 
 
 def _path(name: str, eos: int, z: int) -> tuple[dict[str, Any], list[str]]:
@@ -534,6 +535,8 @@ def _path(name: str, eos: int, z: int) -> tuple[dict[str, Any], list[str]]:
         "max_tokens": ({"max_tokens": 2}, []),  # the answered row writes the last token
         # every token a 'z': the answered row's completes the stop string, and the entry aborts A
         "stop": ({"logit_bias": {z: 30.0}}, ["zz"]),
+        "json_schema": ({"structured_output": StructuredOutput(json=SCHEMA)}, []),  # every row masked
+        "trace": ({"trace": True}, []),  # each token's attribution (routing.trace), compared too
     }[name]
 
 
@@ -553,8 +556,8 @@ def _run_path(pair: dict[str, Any], look_ahead: bool, a_params: dict[str, Any],
     try:
         pa, _ = _answered_return(rig, **a_params)
         assert ("A" in rig.large.engine.ahead) == look_ahead  # A's second token: from its row, unchanged
-        params = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, "ignore_eos": True, **a_params,
-                                   "stop": stops})
+        params = SamplingParams(**{"max_tokens": 12, "temperature": 0.0, "ignore_eos": True,
+                                   **{k: v for k, v in a_params.items() if k != "trace"}, "stop": stops})
         entry = Reassembly.of("A", AdmittedPlan(pa, params, 0, {}), rig.large.engine.tokenizer, False)
         placed = 0
         aborted = False
@@ -589,9 +592,9 @@ def _run_path(pair: dict[str, Any], look_ahead: bool, a_params: dict[str, Any],
             floats.extend(([] if lp is None else [lp]) + ([] if top is None else [top[t] for t in sorted(top)]))
             return lp is not None, None if top is None else sorted(top)
 
-        events = {r: [(model, pos, tok, *ids(lp, top)) for model, pos, tok, lp, top in sorted(
-            ((m.model, e.pos, e.token, e.logprob, e.top_logprobs) for m in rig.msgs if isinstance(m, Tokens)
-             for e in m.items if e.rid == r), key=lambda t: t[1])] for r in whole}
+        events = {r: [(model, pos, tok, *ids(lp, top), trace) for model, pos, tok, lp, top, trace in sorted(
+            ((m.model, e.pos, e.token, e.logprob, e.top_logprobs, e.trace) for m in rig.msgs
+             if isinstance(m, Tokens) for e in m.items if e.rid == r), key=lambda t: t[1])] for r in whole}
         finishes = {r: [(f.model, f.reason, f.stop_reason, f.length, f.handoffs) for f in rig.finished(r)]
                     for r in whole}
         reassembled = [(t.model, t.token, *ids(t.logprob, t.top_logprobs)) for t in entry.tokens]
@@ -625,10 +628,16 @@ def test_each_path_writes_the_same_events_with_an_answered_return(pair, eos_and_
     events, finishes, (reassembled, stop) = with_it
     n = 9  # A's prompt (_answered_return)
     if path == "logprobs":
-        assert all(has_lp and len(top) >= 3 for _, _, _, has_lp, top in events["A"]) and floats
+        assert all(has_lp and len(top) >= 3 for _, _, _, has_lp, top, _ in events["A"]) and floats
     elif path == "min_tokens":
         assert finishes["A"][0][1:4] == ("stop", None, n + 3) and events["A"][-1][2] == eos_and_z[0]
     elif path == "max_tokens":
         assert finishes["A"][0][:4] == ("large", "length", None, n + 2)  # committed from the answered row
     elif path == "stop":
         assert stop == "zz" and len(reassembled) == 2 and reassembled[1][0] == "large"
+    elif path == "json_schema":
+        text = load_tokenizer(str(pair["large"])).decode([tok for _, _, tok, *_ in events["A"]])
+        assert text.startswith("{"), text
+    elif path == "trace":  # each token carries its attribution; the hand-offs' paths are on them
+        traces = [ev[-1] for ev in events["A"]]
+        assert None not in traces and any(t.path for t in traces)
