@@ -38,6 +38,7 @@ import yaml
 from tokenrouter.bench.loadgen import BenchConfig, run_bench, write_jsonl
 from tokenrouter.bench.server_process import ManagedProcess, ServerProcess, free_port
 from tokenrouter.bench.workloads import WORKLOADS, build_prompts, output_lengths
+from tokenrouter.routing import make_algorithm
 from tokenrouter.runtime.group_config import GroupConfig
 
 SYSTEMS = ("tokenrouter", "large", "small", "standard", "step-sync", "vllm", "llama.cpp")
@@ -104,7 +105,6 @@ def _step_sync(group: GroupConfig, prompts: list[str], caps: list[int], c: int, 
     from tokenrouter.bench.baselines.step_sync import run_step_sync
     from tokenrouter.engine.engine import Engine
     from tokenrouter.engine.latency_model import LatencyModelRunner
-    from tokenrouter.routing import make_algorithm
     from tokenrouter.routing.deferral import DeferToLarge
     from tokenrouter.sampling_params import SamplingParams
 
@@ -283,8 +283,8 @@ def _standard_p(group: GroupConfig, rows: list[dict[str, Any]]) -> float:
     the OpenAI API, which carries no hidden states, so a router head cannot run there: for a router
     algorithm the coordinator sends positions to the large model with bernoulli draws at the share of
     tokens the large model wrote in this run's tokenrouter rows (the same load, not the same positions)."""
-    if group.algorithm == "bernoulli":
-        return float(group.algorithm_params.get("p", 0.1))
+    if group.algorithm == "bernoulli":  # its p, the group's or the class's default
+        return float(make_algorithm(group.algorithm, group.names, group.algorithm_params).p)  # type: ignore[attr-defined]
     written = [r.get("tokens_per_model", {}) for r in rows if r["label"] == "tokenrouter"]
     total = sum(sum(w.values()) for w in written)
     if not total:

@@ -30,13 +30,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from tokenrouter.routing import algorithm_class
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.training.champ import chat_prompts
 from tokenrouter.training.evaluation.metrics import AnswerScore, OracleMatch, Totals, common_prefix, forced
 from tokenrouter.training.evaluation.query_router import QueryRouter, gain_labels, prompt_features, route_top
 from tokenrouter.training.evaluation.tasks import Task, task
 from tokenrouter.training.operating_point import shifted
-from tokenrouter.training.prepare import THRESHOLD_PARAM, PreparedPair
+from tokenrouter.training.prepare import PreparedPair
 
 TOKEN_LEVEL = ("citer", "r2r", "co_llm", "r_stitch")
 R_STITCH_TAUS = (0.02, 0.05, 0.1, 0.2, 0.3)
@@ -78,10 +79,10 @@ def threshold_grid(kind: str, calibrated: float | None, points: int, spread: flo
 
 
 def algorithm_config(kind: str, pair: PreparedPair, value: float) -> dict[str, Any]:
-    if kind == "r_stitch":
-        return {"name": kind, "tau": value}
-    param = THRESHOLD_PARAM.get(kind, "threshold")
-    return {"name": kind, "router": str(pair.routers[kind]), param: value}
+    """`kind` at `value` of its share knob, with the pair's router where it reads one."""
+    cls = algorithm_class(kind)
+    router = {"router": str(pair.routers[kind])} if cls.needs_router else {}
+    return {"name": kind, **router, cls.knob_param(): value}
 
 
 class Answers(NamedTuple):
