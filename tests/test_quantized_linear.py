@@ -23,6 +23,7 @@ from tokenrouter.engine.model_runner import StepOutputSpec
 from tokenrouter.models import quantized_linear, skinny_gemm
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.gguf_weights import GGUF_FILE, BlockWeight, decode_blocks, read_gguf, write_gguf
+from tokenrouter.models.llama import DecoderLayer
 from tokenrouter.models.screened_head import ScreenedHead
 from tokenrouter.sampling_params import SamplingParams
 
@@ -233,6 +234,39 @@ def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monk
     layers = quant.model.config.num_layers
     assert len(calls) % (4 * layers) == 0  # whole steps: qkv, o, gate_up, down of every layer
     assert close_until_they_part(a, b) >= 6
+
+
+@pytest.mark.parametrize("model,kind", [("llama", "Q8_0"), ("qwen2", "Q4_1"), ("llama", None)])
+def test_the_fused_layer_loop_returns_what_the_blocks_return(model_paths, tmp_path, monkeypatch, model, kind):
+    """On the fused ops every decoder layer of a step runs `fused_forward`, and it returns exactly what
+    the layer's blocks return on the same rows (quantized decode rows, float prompt rows; Qwen2's
+    q/k/v bias; a folder without blocks on the packed float weights)."""
+    need_compiler()
+    folder = model_paths[model] if kind is None else gguf_folder(model_paths[model], tmp_path / "m", kind)
+    eng = engine(folder)
+    assert eng.model.fused_ops is not None
+    assert (eng.quantization == "none") == (kind is None)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # distinct norm weights (a random model's are ones), so a mix-up shows
+        for layer in eng.model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=gen))
+    rows: list[int] = []
+    differ: list[str] = []
+    fused = DecoderLayer.fused_forward
+
+    def checked(layer: DecoderLayer, x, rope, attn, ops):
+        got = fused(layer, x, rope, attn, ops)
+        if not torch.equal(got, layer(x, rope, attn)):  # (the blocks write the same K/V again)
+            differ.append(f"layer {layer.self_attn.layer} at {x.shape[0]} rows")
+        rows.append(x.shape[0])
+        return got
+
+    monkeypatch.setattr(DecoderLayer, "fused_forward", checked)
+    logits_of(eng, prompts_of([20, 5, 3], seed=1), 4)
+    assert not differ
+    assert max(rows) > quantized_linear.MAX_ROWS and min(rows) <= quantized_linear.MAX_ROWS
+    assert len(rows) % eng.model.config.num_layers == 0  # every layer of every step
 
 
 def test_int8_serves_a_float_folder(model_paths):
