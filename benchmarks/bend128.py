@@ -28,8 +28,8 @@ import torch
 
 from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
+from tokenrouter.bench.trace_reader import latency_ratio, read_trace
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import latency_ratio, read_trace
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import throughput_curve, zero_wait_bound
 from tokenrouter.planner.sim import simulate

@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from tokenrouter import SamplingParams
+from tokenrouter.bench.trace_reader import read_stages
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import read_stages
 from tokenrouter.runtime.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.reassembly import Done

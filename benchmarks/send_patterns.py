@@ -41,8 +41,8 @@ import torch
 
 from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
+from tokenrouter.bench.trace_reader import latency_ratio, read_trace, runtime_costs, send_runs
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import latency_ratio, read_trace, runtime_costs, send_runs
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs

@@ -33,7 +33,7 @@ visit charged the tokens its first step computed, as measured: after the warm-up
 to L finds the prompt and the answer's first tokens in L's prefix cache). The chains and the
 histogram simulator have no prompt prefill (a new request's prompt on S, and its first hand-off
 bringing the whole prompt to L): the share of step time that first visits took is printed beside.
-Then where the requests are, measured and replayed (tokenrouter.engine.step_trace.request_legs), and
+Then where the requests are, measured and replayed (tokenrouter.bench.trace_reader.request_legs), and
 L's step as requests live through it.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
@@ -57,8 +57,8 @@ import torch
 
 from tokenrouter import SamplingParams
 from tokenrouter.bench.offline import run_closed_loop
+from tokenrouter.bench.trace_reader import Step, read_trace, request_legs, runtime_costs, send_runs, visit_runs
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.engine.step_trace import Step, read_trace, request_legs, runtime_costs, send_runs, visit_runs
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs

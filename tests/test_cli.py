@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenrouter import cli
+from tokenrouter.routing import make_algorithm
 from tokenrouter.training.default_model import RANDOM_WEIGHTS_WARNING, SMOLLM2_NOTE, ensure_random_model
 
 
@@ -110,8 +111,6 @@ def test_algorithm_flag_takes_the_prepared_pairs_router(tmp_path, pair_paths, mo
 
     from routing_utils import untrained_routers
 
-    from tokenrouter.routing import make_algorithm
-
     routers = untrained_routers(pair_paths, tmp_path / "routers")
     thresholds = {"citer": 0.3, "r2r": 0.6, "co_llm": 0.4}
     cfg = prepared_pair(tmp_path / "pair", pair_paths, {k: routers[k] for k in ("citer", "r2r")},
@@ -167,14 +166,40 @@ def test_algorithm_flag_takes_a_router_the_config_lists(tmp_path, pair_paths):
         "algorithm: {name: bernoulli, p: 0.0}\n"
         f"routers: {{co_llm: {routers['co_llm']}, r2r: {routers['r2r']}}}\n")
     g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm="co_llm", algorithm_param=[]))
-    assert g.algorithm_params == {"router": str(routers["co_llm"]), "eta": 0.25}  # the router's calibrated one
+    assert g.algorithm_params == {"router": str(routers["co_llm"])}
+    assert make_algorithm(g.algorithm, g.names, g.algorithm_params).eta == 0.25  # the router's calibrated one
     g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm="r2r", algorithm_param=[]))
-    assert g.algorithm_params == {"router": str(routers["r2r"]), "threshold": 0.25}
+    assert make_algorithm(g.algorithm, g.names, g.algorithm_params).threshold == 0.25
     with pytest.raises(ValueError, match="citer needs a trained citer router"):
         cli.load_group(argparse.Namespace(config=str(cfg), algorithm="citer", algorithm_param=[]))
     cfg.write_text(cfg.read_text().replace("co_llm:", "magic:"))
     with pytest.raises(ValueError, match="unknown router kind"):
         cli.load_group(argparse.Namespace(config=str(cfg), algorithm=None, algorithm_param=[]))
+
+
+def test_a_router_algorithm_without_its_knob_serves_the_calibrated_threshold(tmp_path, pair_paths):
+    """One rule wherever the section comes from: a YAML section naming only the router, the
+    --algorithm flag finding it in `routers:`, or the algorithm built directly, serve the threshold in
+    the router's router.json; a value given (YAML, flag) serves instead."""
+    import argparse
+
+    from routing_utils import untrained_routers
+
+    routers = untrained_routers(pair_paths, tmp_path / "routers", threshold=0.25)
+    models = [str(pair_paths["small"]), str(pair_paths["large"])]
+    for kind, knob in (("citer", "tau"), ("co_llm", "eta"), ("r2r", "threshold")):
+        assert getattr(make_algorithm(kind, models, {"router": str(routers[kind])}), knob) == 0.25
+        assert getattr(make_algorithm(kind, models, {"router": str(routers[kind]), knob: 0.5}), knob) == 0.5
+        cfg = tmp_path / f"{kind}.yaml"
+        cfg.write_text(
+            "models:\n"
+            f"  - {{name: small, path: {pair_paths['small']}}}\n"
+            f"  - {{name: large, path: {pair_paths['large']}}}\n"
+            f"algorithm: {{name: {kind}, router: {routers[kind]}}}\n")
+        g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm=None, algorithm_param=[]))
+        assert getattr(make_algorithm(g.algorithm, g.names, g.algorithm_params), knob) == 0.25
+        g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm=None, algorithm_param=[f"{knob}=0.7"]))
+        assert getattr(make_algorithm(g.algorithm, g.names, g.algorithm_params), knob) == 0.7
 
 
 def test_engine_flags_with_a_group_config_are_refused(tmp_path, pair_paths, capsys):

@@ -132,7 +132,8 @@ def test_closed_loop_steady_window_and_step_trace(model_paths, tmp_path, monkeyp
     """The closed loop's steady window lies inside the run, while every request slot is taken, and
     the traced steps carry each step's batch (the subservers inherit the trace variable)."""
     from tokenrouter.bench.offline import run_closed_loop
-    from tokenrouter.engine.step_trace import ENV, read_trace, runtime_costs
+    from tokenrouter.bench.trace_reader import read_trace, runtime_costs
+    from tokenrouter.engine.step_trace import ENV
     from tokenrouter.runtime.entry import Entry
 
     monkeypatch.setenv(ENV, str(tmp_path))

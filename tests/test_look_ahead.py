@@ -26,7 +26,8 @@ from tokenrouter.engine import scheduler
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine, EngineStats, StepFailed
 from tokenrouter.engine.req import Req, ReqStatus
-from tokenrouter.engine.step_trace import ENV, Step, read_trace, visit_runs
+from tokenrouter.bench.trace_reader import Step, read_trace, visit_runs
+from tokenrouter.engine.step_trace import ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.runtime import subserver
 from tokenrouter.runtime.admission import AdmittedPlan

@@ -1,5 +1,5 @@
 """Run lengths between sends against the geometric assumption (tokenrouter/planner/gaps.py), the
-runs read off a step trace (tokenrouter/engine/step_trace.py), and the simulator's runtime costs and
+runs read off a step trace (tokenrouter/bench/trace_reader.py), and the simulator's runtime costs and
 inter-token latencies (tokenrouter/planner/sim.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from tokenrouter.engine.step_trace import Step, latency_ratio, request_legs, send_runs, visit_runs
+from tokenrouter.bench.trace_reader import Step, latency_ratio, request_legs, send_runs, visit_runs
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.chain import best_thresholds
 from tokenrouter.planner import controller

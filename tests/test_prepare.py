@@ -171,6 +171,33 @@ def test_teacher_targets_are_the_top_k_and_the_loss_reads_them(hf_models):
                         rel_tol=1e-5)
 
 
+def test_students_on_the_same_sequences_share_the_teachers_pass(model_paths, tmp_path, monkeypatch):
+    """With a targets cache the teacher reads a set of training sequences once, whatever the students'
+    shapes; other sequences (or another k) take a pass of their own. The students train on the
+    same targets either way."""
+    from tokenrouter.training import student
+
+    passes: list[tuple[int, int]] = []
+    real = student.teacher_targets
+
+    def counted(teacher, seqs, k, bf16, progress, batch_size=8):
+        passes.append((len(seqs), k))
+        return real(teacher, seqs, k, bf16, progress, batch_size)
+
+    monkeypatch.setattr(student, "teacher_targets", counted)
+    base = StudentSettings(layers=(0,), seq_len=32, batch_size=2, steps=2, train_sequences=2, held_out_sequences=1,
+                           quantization=None)
+    cache: dict = {}
+    for i, s in enumerate([base, StudentSettings(**{**base.__dict__, "layers": (0, 1)}),
+                           StudentSettings(**{**base.__dict__, "train_sequences": 4}),
+                           StudentSettings(**{**base.__dict__, "top_k": 8})]):
+        student.train_student(model_paths["llama"], tmp_path / f"s{i}", s, progress=False, targets_cache=cache)
+    assert passes == [(2, 32), (4, 32), (2, 8)]
+    assert len(cache) == 3
+    student.train_student(model_paths["llama"], tmp_path / "alone", base, progress=False)
+    assert len(passes) == 4  # no cache: a pass of its own
+
+
 def test_answers_and_agreement():
     assert final_answer(r"so the total is \boxed{2^{10}} in the end") == "2^{10}"
     assert final_answer("We get 12 and then 3/4.") == "3/4"

@@ -1,4 +1,4 @@
-"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter.engine.step_trace)."""
+"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter/engine/step_trace.py writes it, tokenrouter/bench/trace_reader.py reads it)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from tokenrouter.engine.step_trace import ENV, Step, StepTraceWriter, read_stages, read_trace, runtime_costs
+from tokenrouter.bench.trace_reader import Step, read_stages, read_trace, runtime_costs
+from tokenrouter.engine.step_trace import ENV, StepTraceWriter
 
 
 def test_trace_writer_and_reader(tmp_path, monkeypatch):
@@ -63,7 +64,7 @@ def test_real_model_steps_are_traced_like_the_latency_executors(tmp_path, monkey
     from tokenrouter import SamplingParams
     from tokenrouter.engine.config import EngineConfig
     from tokenrouter.engine.engine import Engine
-    from tokenrouter.engine.step_trace import send_runs
+    from tokenrouter.bench.trace_reader import send_runs
 
     monkeypatch.setenv(ENV, str(tmp_path))
     cfg = EngineConfig(model_path=str(model_paths["llama"]), kv_cache_tokens=512, page_size=4, device="cpu")

@@ -144,7 +144,8 @@ def load_group(args: argparse.Namespace) -> object:
     algorithm (CITER, R2R, Co-LLM) the new section takes the router of that kind that the group knows,
     unless --algorithm-param router=PATH gives one: a prepared pair's router (prepared.json next to
     the config, e.g. the default pair) with its served threshold, else the config's `routers:` entry
-    with the router's calibrated threshold."""
+    (whose algorithm then serves the router's calibrated threshold, as every router algorithm does
+    without its knob: routing/deferral.py)."""
     from pathlib import Path
 
     import yaml
@@ -185,8 +186,6 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
     import json
     from pathlib import Path
 
-    from tokenrouter.routing import algorithm_class
-    from tokenrouter.routing.routers import router_meta
     from tokenrouter.training.prepare import served_algorithm
 
     prepared = Path(config).resolve().parent / "prepared.json"
@@ -195,10 +194,7 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
         if algo is not None:
             return algo
     path = (raw.get("routers") or {}).get(kind)
-    if not path:
-        return None
-    threshold = float(router_meta(path, kind)["threshold"])
-    return {"name": kind, "router": str(path), algorithm_class(kind).knob_param(): threshold}
+    return {"name": kind, "router": str(path)} if path else None
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:

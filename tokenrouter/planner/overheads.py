@@ -1,7 +1,7 @@
 """What the serving runtime adds to the profile's step latencies, for the throughput model.
 
 A profile gives each model's step latency at one token per request. The runtime adds, measured on
-the latency-model executor (benchmarks/ablation.py --calibrate, from tokenrouter.engine.step_trace):
+the latency-model executor (benchmarks/ablation.py --calibrate, read with tokenrouter/bench/trace_reader.py):
 
 - catch-up tokens: a request handed to L brings the tokens S wrote since L last ran it, which L
   must feed before it samples; with geometric gaps that is (1 - p) / p tokens beyond one per

@@ -24,7 +24,7 @@ Lives: with gaps and spans drawn independently every request routes alike from i
 its last. Measured requests do not (docs/BENCHMARKS.md, "Real send patterns"): a Co-LLM request
 sends every 5.8 steps on average while it sends, then ends in an S run of 30 steps that sends
 nothing. `lives` replays that: each life is one measured request's visits in order, (model, steps,
-fed) with model 0 = S and 1 = L (tokenrouter.engine.step_trace.visit_runs); a request runs its life's
+fed) with model 0 = S and 1 = L (tokenrouter.bench.trace_reader.visit_runs); a request runs its life's
 visits, its last visit ends it (its last token kept), and the closed loop replaces it at once with
 a life drawn at random, starting on S. An S visit of k steps that sends is a gap of k - 1 tokens, an
 L visit of m steps a span of m, and a life's last visit keeps every token. Fed is what the visit's
@@ -55,7 +55,7 @@ __all__ = ["LEGS", "SimResult", "simulate", "parse_histogram"]
 
 LEGS = ("on_s", "back_to_s", "to_l", "on_l")
 """Where a request is between its first step and its last, for the mean number of requests in each
-(`SimResult.legs`; measured: tokenrouter.engine.step_trace.request_legs):
+(`SimResult.legs`; measured: tokenrouter.bench.trace_reader.request_legs):
 on_s: in an S step, or between two S steps in a row (the runtime's gap between S steps);
 back_to_s: from the end of an L step to the S step that continues it (S's step in progress);
 to_l: from the end of the S step that sends it to the first L step of its visit (the hand-off, then

@@ -1,11 +1,11 @@
 """CITER: an MLP over the small model's last hidden state gives a confidence that the small token
-is fine; below tau (paper: 0.98) the large model rewrites that one position."""
+is fine; below tau the large model rewrites that one position. Without tau, the threshold the router
+was calibrated with serves (the paper fixes 0.98 for its own router)."""
 
 from __future__ import annotations
 
 import torch
 
-from tokenrouter.routing.algorithm import unit_param
 from tokenrouter.routing.deferral import HiddenStateHead
 
 
@@ -15,9 +15,9 @@ class Citer(HiddenStateHead):
     share_knob = ("tau", True)
     score_name = "confidence"
 
-    def __init__(self, models: list[str], router: str, tau: float = 0.98) -> None:
+    def __init__(self, models: list[str], router: str, tau: float | None = None) -> None:
         super().__init__(models, router)
-        self.tau = unit_param(self.name, "tau", tau)
+        self.tau = self.served_knob(tau)
 
     def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
         return score < threshold

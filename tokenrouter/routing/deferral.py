@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores, unit_interval
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, Scores, unit_interval, unit_param
 from tokenrouter.routing.routers import LoadedRouter, check_pair, engine_fingerprint, load_router, router_meta
 
 if TYPE_CHECKING:
@@ -79,6 +79,13 @@ class HeadDeferral(DeferToLarge):
         self.meta = router_meta(router, self.name)  # fails fast on a missing or wrong router folder
         self.router_path = router
         self.router: LoadedRouter | None = None
+
+    def served_knob(self, given: float | None) -> float:
+        """The share knob's value the algorithm serves: the one given, else the threshold the router
+        was calibrated with (its router.json), checked to lie in [0, 1]. The one rule for every router
+        kind, whether the value comes from a YAML file, the command line or a prepared pair."""
+        assert self.share_knob is not None
+        return unit_param(self.name, self.share_knob[0], float(self.meta["threshold"]) if given is None else given)
 
     def bind(self, model: str, engine: Engine) -> None:
         role = "small" if model == self.small else "large"

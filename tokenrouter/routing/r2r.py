@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.routing.algorithm import unit_param
 from tokenrouter.routing.deferral import HeadDeferral
 
 if TYPE_CHECKING:
@@ -25,8 +24,7 @@ class R2R(HeadDeferral):
     def __init__(self, models: list[str], router: str, threshold: float | None = None) -> None:
         super().__init__(models, router)
         self.top_k = int(self.meta["arch"]["top_k"])
-        # No threshold given: the one the router was calibrated with (its router.json).
-        self.threshold = unit_param(self.name, "threshold", self.meta["threshold"] if threshold is None else threshold)
+        self.threshold = self.served_knob(threshold)
         self.embed: torch.Tensor | None = None
 
     def outputs(self, model: str) -> StepOutputSpec:

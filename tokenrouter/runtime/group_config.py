@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,19 +109,26 @@ class LaunchConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LaunchConfig:
+        """The fields the YAML section gives, parsed; the others keep the class's defaults."""
         _unknown("launch", d, {f.name for f in dataclasses.fields(cls)})
-        thresholds = {}
-        for model, table in (d.get("thresholds") or {}).items():
-            try:
-                thresholds[model] = Thresholds(table)
-            except (ValueError, TypeError, AttributeError) as e:
-                raise ValueError(f"launch.thresholds.{model}: {e}") from None
-        return cls(
-            policy=d.get("policy", "eager"), thresholds=thresholds,
-            alpha=_number("launch.alpha", d.get("alpha", 0.0)), p=_number("launch.p", d.get("p", 0.1)),
-            n_max=None if d.get("n_max") is None else _number("launch.n_max", d["n_max"], int),
-            profile=_profile("launch.profile", d.get("profile")), look_ahead=d.get("look_ahead", True),
-            share_cores=d.get("share_cores", True))
+
+        def thresholds(tables: Mapping[str, Any] | None) -> dict[str, Thresholds]:
+            out = {}
+            for model, table in (tables or {}).items():
+                try:
+                    out[model] = Thresholds(table)
+                except (ValueError, TypeError, AttributeError) as e:
+                    raise ValueError(f"launch.thresholds.{model}: {e}") from None
+            return out
+
+        parse: dict[str, Callable[[Any], Any]] = {
+            "thresholds": thresholds,
+            "alpha": lambda v: _number("launch.alpha", v),
+            "p": lambda v: _number("launch.p", v),
+            "n_max": lambda v: None if v is None else _number("launch.n_max", v, int),
+            "profile": lambda v: _profile("launch.profile", v),
+        }
+        return cls(**{k: parse.get(k, lambda v: v)(v) for k, v in d.items()})
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"policy": self.policy, "alpha": self.alpha, "p": self.p, "look_ahead": self.look_ahead,
@@ -158,7 +165,7 @@ class ExecutorConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ExecutorConfig:
         _unknown("executor", d, {f.name for f in dataclasses.fields(cls)})
-        return cls(mode=d.get("mode", "model"), profile=_profile("executor.profile", d.get("profile")))
+        return cls(**{k: _profile("executor.profile", v) if k == "profile" else v for k, v in d.items()})
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"mode": self.mode}

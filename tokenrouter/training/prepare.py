@@ -327,6 +327,11 @@ def split_answers(s: PrepareSettings, exchanges: list[Exchange]) -> tuple[list[E
     return ([e for t in by for e in by[t][:cut[t]]], [e for t in by for e in by[t][cut[t]:]])
 
 
+def answers_path(s: PrepareSettings) -> Path:
+    """Where the large model's answers of settings `s` are kept (large_answers.save's JSONL)."""
+    return cache_dir() / "answers" / f"answers-{s.answers_key()}.jsonl"
+
+
 def pair_folder(s: PrepareSettings) -> Path:
     """Where the pair of settings `s` is (or will be): pair.yaml and prepared.json."""
     return cache_dir() / "pairs" / f"pair-{s.key()}"
@@ -341,7 +346,7 @@ def _prepare(s: PrepareSettings, progress: bool, log: Any,
     say = log or (lambda msg: print(msg, file=sys.stderr))
     folder = pair_folder(s)
     small = cache_dir() / "models" / f"student-{s.student.key()}"
-    answers_file = cache_dir() / "answers" / f"answers-{s.answers_key()}.jsonl"
+    answers_file = answers_path(s)
     routers = {k: cache_dir() / "routers" / f"{k}-{s.router_key(k)}" for k in ROUTER_KINDS}
     if (folder / "prepared.json").is_file():
         meta = json.loads((folder / "prepared.json").read_text())

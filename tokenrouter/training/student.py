@@ -310,11 +310,14 @@ def quantize_student(student: Any, path: Path, kind: str) -> None:
 
 def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSettings | None = None,
                   progress: bool = True, exchanges: Sequence[Exchange] = (),
-                  held_exchanges: Sequence[Exchange] = ()) -> Path:
+                  held_exchanges: Sequence[Exchange] = (),
+                  targets_cache: dict[str, TeacherTargets] | None = None) -> Path:
     """Train the student for the teacher at `teacher_path` and write it, with the teacher's tokenizer
     files and a student.json of settings and metrics, atomically to `out`. `exchanges`: the teacher's
     answers to training problems, packed into settings.task_sequences sequences (in a seeded order);
-    `held_exchanges`: answers it never trains on, for the answer metrics. Returns `out`."""
+    `held_exchanges`: answers it never trains on, for the answer metrics. `targets_cache`: students
+    trained on the same sequences share the teacher's pass through it (keyed by the teacher, the
+    sequences, k and the precision), as recipes compared in one run do. Returns `out`."""
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -338,7 +341,13 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
     held = pack(tok, chat_texts(tok, data.held_out, s.seed), s.seq_len + 1, s.held_out_sequences)
 
     start = time.monotonic()
-    targets = teacher_targets(teacher, train, s.top_k, bf16, progress)
+    key = hashlib.sha256(b"\0".join([str(teacher_path.resolve()).encode(), train.numpy().tobytes(),
+                                     str(s.top_k).encode(), str(bf16).encode()])).hexdigest()
+    targets = None if targets_cache is None else targets_cache.get(key)
+    if targets is None:
+        targets = teacher_targets(teacher, train, s.top_k, bf16, progress)
+        if targets_cache is not None:
+            targets_cache[key] = targets
     teacher_seconds = time.monotonic() - start
     student = initial_student(teacher, s)
     params = [p for p in student.parameters() if p.requires_grad]
