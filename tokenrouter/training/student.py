@@ -55,8 +55,8 @@ class StudentSettings:
 
     seed: int = 0
     # The teacher's layers the student is carved from, in order (3 of SmolLM2's 30: a decode step costs
-    # about a quarter of SmolLM2's in our engine; docs/QUALITY.md). Empty: a narrow Llama from scratch,
-    # shaped by the five fields below (which a carved student ignores).
+    # a third to two-fifths of SmolLM2's Q4_1 step in our engine; docs/QUALITY.md). Empty: a narrow
+    # Llama from scratch, shaped by the five fields below (which a carved student ignores).
     layers: tuple[int, ...] = (0, 1, 29)
     hidden_size: int = 256
     num_layers: int = 6
