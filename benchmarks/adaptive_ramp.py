@@ -15,7 +15,10 @@ arrivals.
    tokens per second, the large model's share and the knob value the requests ran with; overall, the
    throughput and the accuracy of the answers given during the ramp (what adapting cost in quality);
    and the windows where the fixed threshold misses the target by more than 20%, with whether the
-   adaptive server holds it there (issue 46's "done when").
+   adaptive server holds it there.
+4. The return: after the ramp the adaptive server gets one request at a time for `--tail-seconds`
+   (load 1), and the run reports when its live knob value (read every second) came back to the
+   served point, counted from the ramp's end.
 
 Writes OUT/adaptive_ramp.json (every request and window) and OUT/adaptive_ramp.png (knob, large
 share and p99 TPOT against time, both servers).
@@ -123,8 +126,10 @@ async def ask(client: httpx.AsyncClient, model: str, problem: Any, max_tokens: i
 
 
 async def run_schedule(url: str, model: str, knob: str | None, arrivals: list[float], problems: list[Any],
-                       args: argparse.Namespace, watch: bool) -> tuple[list[Answer], list[dict[str, Any]]]:
-    """Replay the arrivals; with `watch`, the server's live adaptation read every second."""
+                       args: argparse.Namespace, watch: bool,
+                       tail: list[Answer] | None = None) -> tuple[list[Answer], list[dict[str, Any]]]:
+    """Replay the arrivals; with `watch`, the server's live adaptation read every second; with
+    `tail`, then one request at a time for args.tail_seconds, recorded there (not among the ramp's)."""
     records: list[Answer] = []
     live: list[dict[str, Any]] = []
     inflight = 0
@@ -165,6 +170,12 @@ async def run_schedule(url: str, model: str, knob: str | None, arrivals: list[fl
             inflight += 1
             tasks.append(asyncio.create_task(one(rec, problems[i % len(problems)])))
         await asyncio.gather(*tasks)
+        if tail is not None:
+            ends = time.monotonic() - t0 + args.tail_seconds
+            while time.monotonic() - t0 < ends:
+                rec = Answer(time.monotonic() - t0, time.monotonic() - t0)
+                tail.append(rec)
+                await ask(client, model, problems[-1 - len(tail) % len(problems)], args.max_tokens, knob, rec, t0)
         if watching is not None:
             watching.cancel()
     return records, live
@@ -187,6 +198,23 @@ def windows(records: list[Answer], width: float, large: str, target_s: float) ->
                     "knob": sum(knobs) / len(knobs) if knobs else None,
                     "misses": worst is not None and worst > MISS * target_s})
     return out
+
+
+def returned(live: list[dict[str, Any]], records: list[Answer], args: argparse.Namespace) -> dict[str, Any]:
+    """When the live knob came back to the served point after the ramp: seconds from the ramp's end
+    (and from the last ramp request's end) to the first sample at the served value that it kept to the
+    run's end; None where it never did."""
+    last_end = max((r.end for r in records), default=args.ramp_seconds)
+    after = [s for s in live if s["t"] >= args.ramp_seconds]
+    back = None
+    for i, sample in enumerate(after):
+        if all(math.isclose(x["value"], x["served"]) for x in after[i:]):
+            back = sample["t"]
+            break
+    lowest = min((s["value"] for s in live), default=None)
+    return {"lowest": lowest, "at_ramp_end": after[0]["value"] if after else None,
+            "back_s_after_ramp": None if back is None else back - args.ramp_seconds,
+            "back_s_after_last_request": None if back is None else back - last_end}
 
 
 def summary(records: list[Answer]) -> dict[str, Any]:
@@ -262,6 +290,8 @@ def main() -> int:
     ap.add_argument("--peak", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--calibration-requests", type=int, default=8)
+    ap.add_argument("--tail-seconds", type=float, default=30.0,
+                    help="after the ramp, one request at a time to the adaptive server for this long")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="docs/bench/adaptive_ramp")
     args = ap.parse_args()
@@ -312,10 +342,13 @@ def main() -> int:
         flags += ["--adapt-floor", f"{args.adapt_floor:g}"]
     adaptive = serve(config, flags)
     try:
-        records, live = asyncio.run(run_schedule(adaptive.url, model, knob, arrivals, held_out, args, watch=True))
+        tail: list[Answer] = []
+        records, live = asyncio.run(run_schedule(adaptive.url, model, knob, arrivals, held_out, args, watch=True,
+                                                 tail=tail))
         runs["adaptive"] = {"requests": [asdict(r) for r in records], "live": live,
                             "windows": windows(records, args.window, members[-1], target_s),
-                            "summary": summary(records), "unsent": len(arrivals) - len(records)}
+                            "summary": summary(records), "unsent": len(arrivals) - len(records),
+                            "tail": [asdict(r) for r in tail], "return": returned(live, records, args)}
     finally:
         adaptive.stop()
 
@@ -347,6 +380,13 @@ def main() -> int:
               f"p99 TPOT {p99_all}, accuracy {accuracy}")
     print(f"windows where the fixed threshold misses the target by more than 20%: {missed}; "
           f"the adaptive server within the target in {held} of them")
+    ret = runs["adaptive"]["return"]
+    if ret["back_s_after_ramp"] is None:
+        print(f"the adaptive knob did not return to the served point within {args.tail_seconds:g} s of load 1")
+    else:
+        print(f"the adaptive knob (lowest {ret['lowest']:.4g}, {ret['at_ramp_end']:.4g} at the ramp's end) was back "
+              f"at the served point {ret['back_s_after_ramp']:.0f} s after the ramp's end "
+              f"({ret['back_s_after_last_request']:.0f} s after its last request ended; windows of {args.window:g} s)")
     (out / "adaptive_ramp.json").write_text(json.dumps(
         {"config": config, "args": vars(args), "target_s": target_s, "lone_s": lone_s, "lone_p99_tpot_s": lone_p99,
          "knob": knob, "runs": runs}, indent=1))
