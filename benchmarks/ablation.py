@@ -30,10 +30,10 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.bench.baselines.step_sync import run_step_sync
 from tokenrouter.bench.offline import OfflineResult, run_closed_loop
+from tokenrouter.bench.trace_reader import read_trace, runtime_costs
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.latency_model import LatencyModelRunner, LatencyProfile
-from tokenrouter.bench.trace_reader import read_trace, runtime_costs
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Overheads, best_thresholds, throughput_curve, zero_wait_bound

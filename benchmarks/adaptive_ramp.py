@@ -202,8 +202,8 @@ def windows(records: list[Answer], width: float, large: str, target_s: float) ->
 
 def returned(live: list[dict[str, Any]], records: list[Answer], args: argparse.Namespace) -> dict[str, Any]:
     """When the live knob came back to the served point after the ramp: seconds from the ramp's end
-    (and from the last ramp request's end) to the first sample at the served value that it kept to the
-    run's end; None where it never did."""
+    (and from the last ramp request's end: negative when it came back before that request ended) to
+    the first sample at the served value that it kept to the run's end; None where it never did."""
     last_end = max((r.end for r in records), default=args.ramp_seconds)
     after = [s for s in live if s["t"] >= args.ramp_seconds]
     back = None

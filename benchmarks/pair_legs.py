@@ -32,8 +32,8 @@ import torch
 
 from tokenrouter import SamplingParams
 from tokenrouter.bench.offline import run_closed_loop
-from tokenrouter.bench.workloads import build_prompts
 from tokenrouter.bench.trace_reader import read_trace, request_legs
+from tokenrouter.bench.workloads import build_prompts
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.sim import LEGS

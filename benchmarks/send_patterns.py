@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from tokenrouter import SamplingParams
-from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.bench.trace_reader import latency_ratio, read_trace, runtime_costs, send_runs
+from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Overheads, throughput_curve

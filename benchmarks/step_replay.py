@@ -40,10 +40,10 @@ import torch
 
 from tokenrouter import SamplingParams
 from tokenrouter.bench.offline import run_closed_loop
+from tokenrouter.bench.trace_reader import Step, read_trace
 from tokenrouter.bench.workloads import build_prompts
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.req import Req, ReqStatus
-from tokenrouter.bench.trace_reader import Step, read_trace
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.runtime.entry import Entry

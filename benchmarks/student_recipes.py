@@ -46,7 +46,8 @@ RECIPES = {
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--recipes", nargs="+", choices=sorted(RECIPES), default=["carve3", "carve4", "carve5", "carve3-2x"])
+    ap.add_argument("--recipes", nargs="+", choices=sorted(RECIPES),
+                    default=["carve3", "carve4", "carve5", "carve3-2x"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     args = ap.parse_args()

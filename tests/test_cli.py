@@ -200,6 +200,11 @@ def test_a_router_algorithm_without_its_knob_serves_the_calibrated_threshold(tmp
         assert getattr(make_algorithm(g.algorithm, g.names, g.algorithm_params), knob) == 0.25
         g = cli.load_group(argparse.Namespace(config=str(cfg), algorithm=None, algorithm_param=[f"{knob}=0.7"]))
         assert getattr(make_algorithm(g.algorithm, g.names, g.algorithm_params), knob) == 0.7
+    # A `routers:` entry holding another kind's router is refused when the flag picks it, naming both.
+    cfg.write_text(cfg.read_text().replace("algorithm: {name: r2r,", "routers: {citer: " + str(routers["r2r"]) + "}\n"
+                                           "algorithm: {name: r2r,"))
+    with pytest.raises(ValueError, match="holds a 'r2r' router, not a 'citer' one"):
+        cli.load_group(argparse.Namespace(config=str(cfg), algorithm="citer", algorithm_param=[]))
 
 
 def test_engine_flags_with_a_group_config_are_refused(tmp_path, pair_paths, capsys):

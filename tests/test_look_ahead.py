@@ -22,11 +22,11 @@ import torch
 from engine_utils import make_engine, prompts_of
 from routing_utils import Rig, build_pair, find_seed, peer_msgs, wait_until
 
+from tokenrouter.bench.trace_reader import Step, read_trace, visit_runs
 from tokenrouter.engine import scheduler
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine, EngineStats, StepFailed
 from tokenrouter.engine.req import Req, ReqStatus
-from tokenrouter.bench.trace_reader import Step, read_trace, visit_runs
 from tokenrouter.engine.step_trace import ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.runtime import subserver
@@ -300,7 +300,7 @@ def test_check_integrity_holds_look_ahead_to_its_invariants(pair):
 
 def test_the_trace_counts_look_ahead_rows_apart(pair, tmp_path, monkeypatch):
     """A look-ahead row is not its request's decision: the step-trace line lists it as a count, so the
-    run lengths read off a trace (step_trace.py visit_runs) see the request at its peer."""
+    run lengths read off a trace (bench/trace_reader.py visit_runs) see the request at its peer."""
     monkeypatch.setenv(ENV, str(tmp_path))
     eng = Engine(EngineConfig(model_path=str(pair["large"]), kv_cache_tokens=4096, page_size=4, device="cpu"),
                  trace_index=1)

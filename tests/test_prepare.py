@@ -190,12 +190,15 @@ def test_students_on_the_same_sequences_share_the_teachers_pass(model_paths, tmp
     cache: dict = {}
     for i, s in enumerate([base, StudentSettings(**{**base.__dict__, "layers": (0, 1)}),
                            StudentSettings(**{**base.__dict__, "train_sequences": 4}),
-                           StudentSettings(**{**base.__dict__, "top_k": 8})]):
+                           StudentSettings(**{**base.__dict__, "top_k": 8}),
+                           # the same ids as the base's two sequences of 33, packed as one of 66
+                           StudentSettings(**{**base.__dict__, "seq_len": 65, "train_sequences": 1,
+                                              "batch_size": 1})]):
         student.train_student(model_paths["llama"], tmp_path / f"s{i}", s, progress=False, targets_cache=cache)
-    assert passes == [(2, 32), (4, 32), (2, 8)]
-    assert len(cache) == 3
+    assert passes == [(2, 32), (4, 32), (2, 8), (1, 32)]
+    assert len(cache) == 4
     student.train_student(model_paths["llama"], tmp_path / "alone", base, progress=False)
-    assert len(passes) == 4  # no cache: a pass of its own
+    assert len(passes) == 5  # no cache: a pass of its own
 
 
 def test_answers_and_agreement():

@@ -1,4 +1,5 @@
-"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter/engine/step_trace.py writes it, tokenrouter/bench/trace_reader.py reads it)."""
+"""The latency executor's step trace, and the runtime's costs read off it (tokenrouter/engine/step_trace.py
+writes it, tokenrouter/bench/trace_reader.py reads it)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,9 @@ def test_real_model_steps_are_traced_like_the_latency_executors(tmp_path, monkey
     """An engine that knows its index in a group traces each step of a real model (requests, extend
     lengths), so run lengths between sends are read off real models too; one without an index does not."""
     from tokenrouter import SamplingParams
+    from tokenrouter.bench.trace_reader import send_runs
     from tokenrouter.engine.config import EngineConfig
     from tokenrouter.engine.engine import Engine
-    from tokenrouter.bench.trace_reader import send_runs
 
     monkeypatch.setenv(ENV, str(tmp_path))
     cfg = EngineConfig(model_path=str(model_paths["llama"]), kv_cache_tokens=512, page_size=4, device="cpu")

@@ -186,6 +186,7 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
     import json
     from pathlib import Path
 
+    from tokenrouter.routing.routers import router_meta
     from tokenrouter.training.prepare import served_algorithm
 
     prepared = Path(config).resolve().parent / "prepared.json"
@@ -194,7 +195,10 @@ def _known_router_section(kind: str, raw: dict, config: str) -> dict | None:
         if algo is not None:
             return algo
     path = (raw.get("routers") or {}).get(kind)
-    return {"name": kind, "router": str(path)} if path else None
+    if not path:
+        return None
+    router_meta(path, kind)  # a missing folder or another kind's router fails here, naming it
+    return {"name": kind, "router": str(path)}
 
 
 def add_group_args(p: argparse.ArgumentParser) -> None:

@@ -341,8 +341,8 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
     held = pack(tok, chat_texts(tok, data.held_out, s.seed), s.seq_len + 1, s.held_out_sequences)
 
     start = time.monotonic()
-    key = hashlib.sha256(b"\0".join([str(teacher_path.resolve()).encode(), train.numpy().tobytes(),
-                                     str(s.top_k).encode(), str(bf16).encode()])).hexdigest()
+    key = hashlib.sha256(b"\0".join([str(teacher_path.resolve()).encode(), str(tuple(train.shape)).encode(),
+                                     train.numpy().tobytes(), str(s.top_k).encode(), str(bf16).encode()])).hexdigest()
     targets = None if targets_cache is None else targets_cache.get(key)
     if targets is None:
         targets = teacher_targets(teacher, train, s.top_k, bf16, progress)
