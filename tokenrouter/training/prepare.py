@@ -46,7 +46,6 @@ from tokenrouter.training.operating_point import Point, choose, measure, shifted
 from tokenrouter.training.student import StudentSettings, chat_texts, settings_key
 
 ROUTER_KINDS = ("citer", "r2r", "co_llm")
-THRESHOLD_PARAM = {kind: algorithm_class(kind).knob_param() for kind in ROUTER_KINDS}  # the algorithms' own
 
 STAGE_CONVERT = f"convert {SMOLLM2_NAME}"
 STAGE_ANSWERS = "answer training problems with the large model"
@@ -191,7 +190,7 @@ def group_dict(small: Path, large: Path, routers: dict[str, Path], thresholds: d
     algo: dict[str, Any] = {"name": algorithm}
     if algorithm in routers:
         algo["router"] = str(routers[algorithm])
-        algo[THRESHOLD_PARAM.get(algorithm, "threshold")] = thresholds[algorithm]
+        algo[algorithm_class(algorithm).knob_param()] = thresholds[algorithm]
     return {
         "name": "default",
         "models": [{"name": "small", "path": str(small)}, {"name": "large", "path": str(large)}],

@@ -341,13 +341,14 @@ def train_student(teacher_path: str | Path, out: str | Path, settings: StudentSe
     held = pack(tok, chat_texts(tok, data.held_out, s.seed), s.seq_len + 1, s.held_out_sequences)
 
     start = time.monotonic()
-    key = hashlib.sha256(b"\0".join([str(teacher_path.resolve()).encode(), str(tuple(train.shape)).encode(),
-                                     train.numpy().tobytes(), str(s.top_k).encode(), str(bf16).encode()])).hexdigest()
-    targets = None if targets_cache is None else targets_cache.get(key)
-    if targets is None:
+    if targets_cache is None:
         targets = teacher_targets(teacher, train, s.top_k, bf16, progress)
-        if targets_cache is not None:
-            targets_cache[key] = targets
+    else:
+        parts = [str(teacher_path.resolve()), str(tuple(train.shape)), str(s.top_k), str(bf16)]
+        key = hashlib.sha256(b"\0".join([*(p.encode() for p in parts), train.numpy().tobytes()])).hexdigest()
+        if key not in targets_cache:
+            targets_cache[key] = teacher_targets(teacher, train, s.top_k, bf16, progress)
+        targets = targets_cache[key]
     teacher_seconds = time.monotonic() - start
     student = initial_student(teacher, s)
     params = [p for p in student.parameters() if p.requires_grad]
