@@ -64,6 +64,37 @@ def test_silu_mul_and_argmax() -> None:
     assert torch.equal(ops().argmax(logits), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("rows,dim", [(1, 576), (5, 33)])
+def test_bfloat16_sides_are_the_float32_ops_converted_by_torch(rows: int, dim: int) -> None:
+    """The norm reading a product's bfloat16 rows (a padded view) and writing the next product's, and
+    SiLU on bfloat16: bit for bit the float32 ops between torch's conversions (ties to even; NaN stays NaN)."""
+    gen = torch.Generator().manual_seed(dim)
+    k = ops()
+    padded = (torch.randn(rows, dim + 16, generator=gen) * 3).to(torch.bfloat16)
+    x, res, w = padded[:, :dim], torch.randn(rows, dim, generator=gen), torch.rand(dim, generator=gen) + 0.5
+    h, out = k.rms_norm(x, w, 1e-5, res, out_dtype=torch.bfloat16)
+    h32, out32 = k.rms_norm(x.float().contiguous(), w, 1e-5, res)
+    assert out.dtype == torch.bfloat16 and torch.equal(h, h32) and torch.equal(out, out32.to(torch.bfloat16))
+    plain = torch.randn(rows, dim, generator=gen)
+    assert torch.equal(k.rms_norm(plain, w, 1e-5, out_dtype=torch.bfloat16)[1],
+                       k.rms_norm(plain, w, 1e-5)[1].to(torch.bfloat16))
+    # rows of ones (out = w times a scale near 1) with w within a few float32 steps of the points
+    # halfway between bfloat16 values: some outputs fall exactly halfway, and go to the even one
+    halves = 1 + torch.arange(1, 128, 2, dtype=torch.float64) * 2.0 ** -8
+    near = (halves[:, None] + torch.arange(-2, 3) * 2.0 ** -23).flatten().float()
+    out32 = k.rms_norm(torch.ones(1, len(near)), near, 0.0)[1]
+    assert (out32.view(torch.int32) & 0xFFFF == 0x8000).sum() > 10
+    assert torch.equal(k.rms_norm(torch.ones(1, len(near)), near, 0.0, out_dtype=torch.bfloat16)[1],
+                       out32.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="needs 2-D rows and a residual"):
+        k.rms_norm(x, w, 1e-5)
+    gate_up = (torch.randn(rows, 2 * dim, generator=gen) * 4).to(torch.bfloat16)
+    gate_up[0, 0] = float("nan")
+    got, ref = k.silu_mul(gate_up), k.silu_mul(gate_up.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.isnan(), ref.isnan())
+    assert torch.equal(got.nan_to_num(), ref.nan_to_num())
+
+
 def test_engine_runs_layers_and_sampling_on_the_fused_ops(model_paths) -> None:
     need_compiler()
     cfg = EngineConfig(model_path=str(model_paths["qwen3"]), device="cpu", dtype="float32", kv_cache_tokens=512,

@@ -22,7 +22,7 @@ from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.model_runner import StepOutputSpec
 from tokenrouter.models import quantized_linear, skinny_gemm
 from tokenrouter.models.config import ModelConfig, ModelLoadError
-from tokenrouter.models.gguf_weights import GGUF_FILE, BlockWeight, decode_blocks, read_gguf, write_gguf
+from tokenrouter.models.gguf_weights import BLOCK, GGUF_FILE, BlockWeight, decode_blocks, read_gguf, write_gguf
 from tokenrouter.models.llama import DecoderLayer
 from tokenrouter.models.screened_head import ScreenedHead
 from tokenrouter.sampling_params import SamplingParams
@@ -226,14 +226,36 @@ def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monk
     assert quant.quantization == f"gguf ({', '.join(sorted({kind, 'Q8_0'}))})"  # the embedding is Q8_0
     assert plain.quantization == "none"
     calls: list[int] = []
-    real = quantized_linear.linear
-    monkeypatch.setattr(quantized_linear, "linear", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    real = quantized_linear.product
+    monkeypatch.setattr(quantized_linear, "product", lambda x, w: calls.append(x.shape[0]) or real(x, w))
     prompts = prompts_of([20, 5, 3], seed=1)
     a, b = logits_of(quant, prompts, 6), logits_of(plain, prompts, 6)
     assert calls and max(calls) <= quantized_linear.MAX_ROWS
     layers = quant.model.config.num_layers
     assert len(calls) % (4 * layers) == 0  # whole steps: qkv, o, gate_up, down of every layer
     assert close_until_they_part(a, b) >= 6
+
+
+@pytest.mark.parametrize("embedding_kind,group", [("Q8_0", 0), ("Q4_1", BLOCK)])
+def test_the_head_screens_on_its_cheaper_quantized_form(model_paths, tmp_path, embedding_kind, group):
+    """A Q8_0 head screens as int8 per channel (group 0: one pass where its exact int4 form is two
+    nibble planes), a Q4 head as its own blocks; either way the screen's argmax and top-k on two
+    threads are the full float32 head's."""
+    need_compiler()
+    eng = engine(gguf_folder(model_paths["llama"], tmp_path / "m", "Q4_1", embedding_kind))
+    head = eng.model.lm_head_screened
+    assert head is not None and head.quantized is not None
+    assert (head.quantized.group, head.quantized.repeat) == (group, 1)
+    x = torch.randn(3, head.weight.shape[1], generator=torch.Generator().manual_seed(2)) * 4
+    torch.set_num_threads(2)
+    try:
+        assert head.uses_quantized(x)
+        got = head.top(x, 5)
+    finally:
+        torch.set_num_threads(1)
+    full = x @ head.weight.t()
+    assert got is not None and torch.equal(got.argmax, full.argmax(dim=1))
+    assert torch.allclose(got.values, full.topk(5, dim=1).values, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("model,kind", [("llama", "Q8_0"), ("qwen2", "Q4_1"), ("llama", None)])
@@ -246,6 +268,8 @@ def test_the_fused_layer_loop_returns_what_the_blocks_return(model_paths, tmp_pa
     eng = engine(folder)
     assert eng.model.fused_ops is not None
     assert (eng.quantization == "none") == (kind is None)
+    # with blocks, the few-row steps run the layer in the kernels' bfloat16 from norm to norm
+    assert all((layer.flat.quantized is None) == (kind is None) for layer in eng.model.model.layers)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # distinct norm weights (a random model's are ones), so a mix-up shows
         for layer in eng.model.model.layers:

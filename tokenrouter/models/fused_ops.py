@@ -1,4 +1,5 @@
-"""The fused element-wise ops (fused_ops.c) for float32 on CPU: RMSNorm with its residual add, the
+"""The fused element-wise ops (fused_ops.c) for float32 on CPU (and the bfloat16 the quantized products
+read and write, where a layer hands rows to them): RMSNorm with its residual add, the
 rotary rotation, SiLU(gate) * up and the greedy argmax, each one C call instead of several PyTorch
 ops, built on first use (tokenrouter/models/native_build.py).
 
@@ -34,20 +35,34 @@ class FusedOps:
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self._norm = lib.add_rms_norm_f32
         self._norm.argtypes = [ptr, i64, ptr, ptr, f32, i64, i64, i64, ptr, ptr]
+        self._norm_bf16 = lib.add_rms_norm_bf16
+        self._norm_bf16.argtypes = [ptr, i64, i64, ptr, ptr, f32, i64, i64, ptr, ptr]
         self._rotate = lib.rotate_f32
         self._rotate.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
-        self._silu_mul = lib.silu_mul_f32
-        self._silu_mul.argtypes = [ptr, i64, i64, i64, ptr]
+        self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         self._argmax = lib.argmax_f32
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
-        for fn in (self._norm, self._rotate, self._silu_mul, self._argmax):
+        for fn in (self._norm, self._norm_bf16, self._rotate, *self._silu_mul.values(), self._argmax):
             fn.restype = None
+        for fn in self._silu_mul.values():
+            fn.argtypes = [ptr, i64, i64, i64, ptr]
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [rows, dim] contiguous, or [rows, heads, dim] with each row's heads side by side (any row
-        stride; then no residual); residual the shape of x, contiguous. Returns (h, norm(h) * weight),
-        contiguous, with h = x + residual, or x itself without a residual."""
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, dim] with unit stride along dim, or [rows, heads, dim] with each row's heads side by
+        side (any row stride; then no residual); residual float32 [rows, dim], contiguous. Returns
+        (h, norm(h) * weight), contiguous, with h = x + residual in float32, or x itself without a
+        residual. x may be bfloat16 with a residual, and the norm's out_dtype bfloat16 (2-D x): a
+        quantized product's output in, its input out (bit for bit what the float32 op and torch's
+        conversions give)."""
+        if x.dtype == torch.bfloat16 or out_dtype == torch.bfloat16:
+            if x.dim() != 2 or (x.dtype == torch.bfloat16 and residual is None):
+                raise ValueError(f"fused rms_norm: bfloat16 x {tuple(x.shape)} needs 2-D rows and a residual")
+            out = torch.empty(x.shape, dtype=out_dtype)
+            h = x if residual is None else torch.empty(x.shape, dtype=torch.float32)
+            self._norm_bf16(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), _ptr(residual), weight.data_ptr(),
+                            eps, x.shape[0], x.shape[1], None if residual is None else h.data_ptr(), out.data_ptr())
+            return h, out
         rows, dim = x.shape[0], x.shape[-1]
         heads = x.shape[1] if x.dim() == 3 else 1
         out = torch.empty(x.shape, dtype=torch.float32)
@@ -73,10 +88,11 @@ class FusedOps:
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [rows, 2n] with unit stride: silu(gate_up[:, :n]) * gate_up[:, n:]."""
+        """gate_up [rows, 2n] with unit stride, float32 or bfloat16: silu(gate_up[:, :n]) * gate_up[:, n:],
+        in its dtype (bfloat16: computed in float32, then rounded)."""
         rows, width = gate_up.shape
-        out = torch.empty(rows, width // 2, dtype=torch.float32)
-        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, out.data_ptr())
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, out.data_ptr())
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

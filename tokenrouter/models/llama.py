@@ -91,6 +91,16 @@ class FlatLayer(NamedTuple):
     heads: int
     kv_heads: int
     head_dim: int
+    quantized: QuantizedLayer | None  # where all four products have a quantized weight
+
+
+class QuantizedLayer(NamedTuple):
+    """A decoder layer's four quantized weights, which `fused_forward` runs in bfloat16 end to end."""
+
+    qkv: quantized_linear.QuantizedLinear
+    o: quantized_linear.QuantizedLinear
+    gate_up: quantized_linear.QuantizedLinear
+    down: quantized_linear.QuantizedLinear
 
 
 class DecoderLayer(nn.Module):
@@ -108,10 +118,11 @@ class DecoderLayer(nn.Module):
 
     def flat_layer(self) -> FlatLayer:
         a, mlp = self.self_attn, self.mlp
+        weights = (a.qkv_proj.quantized, a.o_proj.quantized, mlp.gate_up_proj.quantized, mlp.down_proj.quantized)
         return FlatLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
                          a.qkv_proj.product, a.qkv_proj.bias, a.o_proj.product, a.o_proj.bias,
                          mlp.gate_up_proj.product, mlp.down_proj.product, a.layer, a.num_heads, a.num_kv_heads,
-                         a.head_dim)
+                         a.head_dim, None if None in weights else QuantizedLayer(*weights))
 
     def fused_forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, ops: FusedOps) -> torch.Tensor:
         """`forward` on the fused C ops (models/fused_ops.py) for a layer without q/k norms on one rank
@@ -120,15 +131,30 @@ class DecoderLayer(nn.Module):
 
         Why: a small quantized step's products are fast enough that the rest is mostly Python. At
         one row SmolLM2's 30 layers took 9.25 ms through the blocks and 7.6 ms here on two threads,
-        12.6 and 11.1 ms on one (2-core Intel Xeon with AMX, 2026-12-05)."""
+        12.6 and 11.1 ms on one (2-core Intel Xeon with AMX, 2026-12-05). Where all four products
+        are quantized, the rows stay in the kernels' bfloat16 between them and the fused ops (six
+        conversion ops a layer fewer, about 2 us each)."""
         f = self.flat
         assert f is not None, "fused_forward needs the layer's FlatLayer (use_fused_ops)"
-        qkv = f.qkv(ops.rms_norm(x, f.input_norm, f.eps)[1], f.qkv_bias)
+        q = f.quantized if x.shape[0] <= quantized_linear.MAX_ROWS else None
         h, hk, d = f.heads, f.kv_heads, f.head_dim
+        if q is None:
+            qkv = f.qkv(ops.rms_norm(x, f.input_norm, f.eps)[1], f.qkv_bias)
+        else:  # the quantized products' bfloat16 goes into and out of the fused ops without a conversion op
+            qkv = quantized_linear.product(ops.rms_norm(x, f.input_norm, f.eps, out_dtype=torch.bfloat16)[1],
+                                           q.qkv).float()
+            if f.qkv_bias is not None:
+                qkv = qkv + f.qkv_bias
         qk = ops.rotate(qkv[:, :(h + hk) * d].view(-1, h + hk, d), *rope)
-        out = attn.forward(f.layer, qk[:, :h], qk[:, h:], qkv[:, (h + hk) * d:].view(-1, hk, d))
-        x, y = ops.rms_norm(f.o(out.view(-1, h * d), f.o_bias).contiguous(), f.post_norm, f.eps, x)
-        return x + f.down(ops.silu_mul(f.gate_up(y, None)), None)
+        out = attn.forward(f.layer, qk[:, :h], qk[:, h:], qkv[:, (h + hk) * d:].view(-1, hk, d)).view(-1, h * d)
+        if q is None:
+            x, y = ops.rms_norm(f.o(out, f.o_bias).contiguous(), f.post_norm, f.eps, x)
+            return x + f.down(ops.silu_mul(f.gate_up(y, None)), None)
+        o = quantized_linear.product(out.to(torch.bfloat16), q.o)
+        if f.o_bias is not None:
+            o = o.float() + f.o_bias
+        x, y = ops.rms_norm(o, f.post_norm, f.eps, x, out_dtype=torch.bfloat16)
+        return x + quantized_linear.product(ops.silu_mul(quantized_linear.product(y, q.gate_up)), q.down)
 
 
 class Backbone(nn.Module):
@@ -257,12 +283,18 @@ class LlamaForCausalLM(nn.Module):
         head_name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         if self.lm_head_screened is not None:
             source = None if blocks is None else blocks.get(head_name)
-            if blocks is None:
+            # A Q8_0 head screens as int8 per channel: its exact form on the int4 kernel is two nibble
+            # planes, twice the work. SmolLM2's 49,152 x 576 head at one row on two threads: 1.59 ms
+            # as two planes, 0.97 ms as int8 (the bound looser: 5 columns recomputed at the median
+            # where 3 were); 11.3 -> 10.8 ms a decode step (2-core Intel Xeon with AMX, 2026-12-06).
+            if blocks is None or (isinstance(source, BlockWeight) and source.kind == "Q8_0"):
                 self.lm_head_screened.add_quantized(quantized_linear.int8_per_channel(self.lm_head_weight), None)
             elif isinstance(source, BlockWeight):
                 self.lm_head_screened.add_quantized(quantized_linear.from_blocks(source), source)
             else:
                 left.append(head_name)
+        if self.fused_ops is not None:
+            self.use_fused_ops(self.fused_ops)  # the flat layers gather the quantized weights
         return left
 
     def use_fused_ops(self, ops: FusedOps) -> None:

@@ -94,18 +94,20 @@ def int8_per_channel(weight: torch.Tensor) -> QuantizedLinear:
     return QuantizedLinear(q, s, 0, 1, w.shape[0], w.shape[1])
 
 
+def product(xb: torch.Tensor, w: QuantizedLinear) -> torch.Tensor:
+    """xb [rows, in_features] bfloat16 times the quantized weight: the kernel's bfloat16 [rows,
+    out_features] (a view of its padded output where out_features is not a multiple of 16)."""
+    if w.group == 0:
+        return torch.ops.aten._weight_int8pack_mm(xb.contiguous(), w.packed, w.scales)
+    if w.repeat > 1:
+        xb = xb.repeat(1, w.repeat)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group, w.scales)
+    return y if y.shape[1] == w.out_features else y[:, :w.out_features]
+
+
 def linear(x: torch.Tensor, w: QuantizedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in_features] times the quantized weight (plus bias), in x's dtype."""
-    xb = x.to(torch.bfloat16)
-    if w.group == 0:
-        y = torch.ops.aten._weight_int8pack_mm(xb.contiguous(), w.packed, w.scales)
-    else:
-        if w.repeat > 1:
-            xb = xb.repeat(1, w.repeat)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), w.packed, w.group, w.scales)
-        if y.shape[1] != w.out_features:
-            y = y[:, :w.out_features]
-    y = y.to(x.dtype)
+    y = product(x.to(torch.bfloat16), w).to(x.dtype)
     return y if bias is None else y + bias
 
 

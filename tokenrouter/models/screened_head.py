@@ -25,8 +25,9 @@ of its largest logit; recomputed exactly, their top k is the full head's and the
 argmax (tests/test_screened_head.py).
 
 The quantized screen. Where the head's weights come as GGUF blocks (or int8, models/quantized_linear.py),
-the screen reads those instead (a quarter of the float32 bytes for Q8_0, an eighth for Q4), on torch's
-int4 or int8 kernel, and the exact columns are still the float32 weights' (the file's values). Its
+the screen reads a quantized form instead (Q4 blocks as stored, an eighth of the float32 bytes; a Q8_0
+head, or a float one, as int8 per channel, a quarter), on torch's int4 or int8 kernel, and the exact
+columns are still the float32 weights' (the file's values). Its
 bound is the kernel's (quantized_linear.ErrorBound, against the exact product) plus the exact
 value's own g ||w_j||.
 """
