@@ -121,6 +121,39 @@ def test_light_load_returns_at_once_and_headroom_steps_back():
     assert 0.3 < stepped < 0.8
 
 
+def test_a_load_the_served_point_held_returns_it_within_one_window():
+    """p99 above half the target (a lone request's, when the knob barely moves it) returns at once
+    when the load is one the served point held with headroom; a higher load only steps back."""
+    rig = Clocked(LowerIsMore(["small", "large"], threshold=0.3), floor=0.8)
+    wire, _ = rig.start()
+    assert rig.window({wire: 0.7 * TARGET}).value == 0.3  # the served point holds one request: remembered
+    crowd = [rig.start()[0] for _ in range(3)]
+    for _ in range(10):
+        rig.window({w: 3 * TARGET for w in [wire, *crowd]})
+    assert rig.ad.state.value == 0.8
+    for w in crowd:
+        rig.ad.finish(w)
+    assert rig.window({wire: 0.7 * TARGET}).value == 0.3  # one request again: served within one window
+    more = rig.start()[0]
+    for _ in range(10):
+        rig.window({w: 3 * TARGET for w in [wire, *crowd, more]})
+    stepped = rig.window({wire: 0.7 * TARGET, more: 0.7 * TARGET}).value  # two: more than it held
+    assert stepped == pytest.approx(rig.range.value(STEP_BACK))
+
+
+def test_an_overload_at_a_held_load_forgets_it():
+    """The served point overloading at a load it had held: that load no longer returns it at once."""
+    rig = Clocked(LowerIsMore(["small", "large"], threshold=0.3), floor=0.8)
+    wire, _ = rig.start()
+    rig.window({wire: 0.7 * TARGET})
+    assert rig.window({wire: 3 * TARGET}).value > 0.3  # same load, now over the target (longer prompts, say)
+    held = rig.ad.state.value
+    assert rig.window({wire: 0.9 * TARGET}).value == held  # within the target, no headroom: hold, not return
+    position = rig.ad.controller.position
+    rig.window({wire: 0.7 * TARGET})  # headroom: a step back, not the served point
+    assert rig.ad.controller.position == pytest.approx(position + STEP_BACK) and position + STEP_BACK < 1.0
+
+
 @pytest.mark.parametrize("algorithm,floor", [(bernoulli(0.4), None), (bernoulli(0.4), 0.0), (bernoulli(1.0), 0.3),
                                              (LowerIsMore(["small", "large"]), None),
                                              (LowerIsMore(["small", "large"]), 1.0)])
@@ -190,7 +223,7 @@ def test_tpot_excludes_the_first_token_wait_and_counts_gaps_where_they_end():
     w.finish("a")
     figures = w.close()
     assert figures.p99_s == pytest.approx(0.15) and figures.requests == 1
-    assert figures.shares == {"large": 0.5, "small": 0.5}
+    assert figures.shares == {"large": 0.5, "small": 0.5} and figures.streaming_s == pytest.approx(0.3)
     assert w.close() == type(figures)(None, 0, {})
 
 

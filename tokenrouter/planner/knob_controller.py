@@ -15,6 +15,14 @@ window's p99 time per output token (TPOT):
   half the target anywhere on the range predicts the served point within it. Where queueing makes
   the cost steeper than that, or a floor set lower, the return overshoots and the next window's
   decrease corrects it;
+- p99 within the target at a load the served point held: back to the served point at once. The load
+  is the window's mean number of adapting requests streaming; the controller remembers the highest
+  load of a window at the served point whose p99 kept `MARGIN` of the target (`safe_load`), and
+  returns at up to `LOAD_SLACK` times it. Why: at low load the knob barely moves p99 (the small
+  model's steps dominate a token), so p99 alone cannot tell a fallen load from a held one; the
+  default pair's lone-request p99 sat at 0.53-0.62 of its target after a ramp, a quarter step a
+  window back. Where the served point then overloads at a load it had held, the remembered load
+  halves, so the return cannot oscillate on a stale memory;
 - p99 at most `MARGIN` of the target: a step of `STEP_BACK` toward the served point (the headroom
   keeps one step from pushing p99 over again);
 - otherwise hold.
@@ -33,6 +41,7 @@ MIN_DECREASE = 0.125  # of the range: sustained overload reaches the floor withi
 MARGIN = 0.8  # step back only with this much of the target used
 STEP_BACK = 0.25  # of the range, per window with headroom
 RETURN_BELOW = 0.5  # of the target: p99 this low returns to the served point at once (see above)
+LOAD_SLACK = 1.25  # a load up to this multiple of the remembered safe load returns at once (see above)
 
 
 @dataclass(frozen=True)
@@ -63,15 +72,22 @@ class KnobController:
             raise ValueError(f"target_s must be positive, got {target_s}")
         self.target_s = target_s
         self.position = 1.0
+        self.safe_load = 0.0  # the highest load the served point held with headroom (none yet)
 
-    def update(self, p99_s: float | None) -> float:
+    def update(self, p99_s: float | None, load: float | None = None) -> float:
         """The new position after a window whose adapting requests' p99 TPOT was `p99_s` seconds
-        (None: none of them streamed)."""
-        target = self.target_s
+        (None: none of them streamed) at a mean of `load` of them streaming (None: not measured)."""
+        target, served = self.target_s, self.position == 1.0
         if p99_s is None or p99_s <= RETURN_BELOW * target:
             self.position = 1.0
         elif p99_s > target:
+            if served and load is not None and load <= self.safe_load:
+                self.safe_load = load / 2
             self.position = max(0.0, min(self.position * target / p99_s, self.position - MIN_DECREASE))
+        elif load is not None and load <= LOAD_SLACK * self.safe_load:
+            self.position = 1.0
         elif p99_s <= MARGIN * target:
             self.position = min(1.0, self.position + STEP_BACK)
+        if served and load is not None and p99_s is not None and p99_s <= MARGIN * target:
+            self.safe_load = max(self.safe_load, load)
         return self.position

@@ -86,13 +86,15 @@ class Adaptation:
         while now >= self.closes_at:
             self.closes_at += self.window_s
             figures = self.window.close()
-            position = self.controller.update(figures.p99_s)
+            load = figures.streaming_s / self.window_s
+            position = self.controller.update(figures.p99_s, load)
             old = self.state
             self.state = dataclasses.replace(old, value=self.range.value(position), p99_s=figures.p99_s,
                                              shares=figures.shares)
             if abs(position - self.logged) > LOGGED_MOVE:
                 before, self.logged = self.range.value(self.logged), position
-                p99 = "no adapting request" if figures.p99_s is None else f"p99 TPOT {figures.p99_s * 1e3:.1f} ms"
+                p99 = ("no adapting request" if figures.p99_s is None
+                       else f"p99 TPOT {figures.p99_s * 1e3:.1f} ms at a load of {load:.2f}")
                 logger.info("load adaptation: %s %s %.4g -> %.4g (%s, target %.1f ms; served %.4g, floor %.4g)",
                             old.algorithm, self.param, before, self.state.value, p99, old.target_s * 1e3,
                             self.range.served, self.range.floor)

@@ -27,11 +27,13 @@ class _Stream:
 @dataclass(frozen=True)
 class WindowFigures:
     """One closed window: the p99 TPOT of its requests (None: no request had two tokens in it), how
-    many requests it measured, and each model's share of the tokens written in it."""
+    many requests it measured, each model's share of the tokens written in it, and the seconds its
+    requests spent streaming in it, summed (their gaps: over the window's length, the load)."""
 
     p99_s: float | None
     requests: int
     shares: dict[str, float] = field(default_factory=dict)
+    streaming_s: float = 0.0
 
 
 def p99(values: list[float]) -> float:
@@ -67,7 +69,8 @@ class TpotWindow:
         streams = [s for s in (*self.live.values(), *self.ended) if s.gaps]
         total = sum(self.tokens.values())
         figures = WindowFigures(p99([s.gap_sum / s.gaps for s in streams]) if streams else None, len(streams),
-                                {m: n / total for m, n in sorted(self.tokens.items())})
+                                {m: n / total for m, n in sorted(self.tokens.items())},
+                                sum(s.gap_sum for s in streams))
         for s in self.live.values():
             s.gap_sum, s.gaps = 0.0, 0
         self.ended = []
