@@ -4,7 +4,9 @@ arrivals.
 
 1. Calibration, on the fixed server: `--calibration-requests` requests one at a time give the lone
    request's duration S and its p99 TPOT; the target defaults to `--target-factor` times that p99.
-2. One arrival schedule, seeded, replayed on both servers: the concurrency C(t) ramps 1 -> `--peak`
+2. A lead-in of `--lead-seconds` of one request at a time on each server (the load it served before
+   the ramp, not in the figures), then one arrival schedule, seeded, replayed on both servers: the
+   concurrency C(t) ramps 1 -> `--peak`
    -> 1 linearly over `--ramp-seconds`; arrivals are Poisson at rate C(t) / S (what keeps C(t)
    requests in flight at the lone request's speed), and at most C(t) run at once (an arrival waits
    for a slot in order, as `vllm bench serve --max-concurrency` does; an arrival still waiting when the
@@ -135,6 +137,11 @@ async def run_schedule(url: str, model: str, knob: str | None, arrivals: list[fl
     inflight = 0
     freed = asyncio.Event()
     async with httpx.AsyncClient(base_url=url, timeout=600.0, limits=httpx.Limits(max_connections=256)) as client:
+        lead_ends, k = time.monotonic() + args.lead_seconds, 0
+        while time.monotonic() < lead_ends:
+            k += 1
+            await ask(client, model, problems[-k % len(problems)], args.max_tokens, knob, Answer(0.0, 0.0),
+                      time.monotonic())
         t0 = time.monotonic()
 
         async def one(rec: Answer, problem: Any) -> None:
@@ -290,6 +297,8 @@ def main() -> int:
     ap.add_argument("--peak", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--calibration-requests", type=int, default=8)
+    ap.add_argument("--lead-seconds", type=float, default=20.0,
+                    help="one request at a time before the ramp, on each server (not in the figures)")
     ap.add_argument("--tail-seconds", type=float, default=30.0,
                     help="after the ramp, one request at a time to the adaptive server for this long")
     ap.add_argument("--seed", type=int, default=0)
