@@ -34,11 +34,13 @@ def build_pair(root: Path) -> dict[str, Path]:
 
 
 def group_dict(paths: dict[str, Path], p: float, kv_tokens: int = 2048, engine: dict[str, Any] | None = None,
-               **extra: Any) -> dict[str, Any]:
-    """`engine`: more engine keys for both models (e.g. chunked_prefill_size)."""
+               large: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    """`engine`: more engine keys for both models (e.g. chunked_prefill_size); `large`: for the large
+    model only (e.g. tp_size)."""
     return {
         "models": [
-            {"name": n, "path": str(paths[n]), "kv_cache_tokens": kv_tokens, "page_size": PAGE, **(engine or {})}
+            {"name": n, "path": str(paths[n]), "kv_cache_tokens": kv_tokens, "page_size": PAGE, **(engine or {}),
+             **((large or {}) if n == "large" else {})}
             for n in ("small", "large")
         ],
         "algorithm": {"name": "bernoulli", "p": p},

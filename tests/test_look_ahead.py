@@ -355,6 +355,27 @@ def test_a_routed_group_writes_the_same_tokens_with_it(pair, temperature):
         without.close()
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_large_model_on_two_ranks_writes_the_same_tokens_with_it(pair, temperature):
+    """The group above with the large model tensor-parallel over two ranks (its look-ahead rows run on
+    both): the same tokens by the same models with look-ahead as without, and as on one rank."""
+    tp = {"large": {"tp_size": 2}}
+    with_it, without = Rig(pair, 0.5, **tp), Rig(pair, 0.5, launch={"look_ahead": False}, **tp)
+    try:
+        assert with_it.large.engine.tp is not None
+        got = _group_run(with_it, temperature)
+        assert got == _group_run(without, temperature)
+        assert with_it.large.engine.stats.look_aheads > 0 and without.large.engine.stats.look_aheads == 0
+    finally:
+        with_it.close()
+        without.close()
+    one_rank = Rig(pair, 0.5)
+    try:
+        assert got == _group_run(one_rank, temperature)
+    finally:
+        one_rank.close()
+
+
 P = 0.5
 
 
@@ -546,14 +567,14 @@ Events = tuple[Rows, Rows, tuple[list[tuple[Any, ...]], str | None]]
 
 
 def _run_path(pair: dict[str, Any], look_ahead: bool, a_params: dict[str, Any],
-              stops: list[str]) -> tuple[Events, list[float], EngineStats]:
+              stops: list[str], large: dict[str, Any] | None = None) -> tuple[Events, list[float], EngineStats]:
     """The answered-return scenario to the end, the test as the entry: it reassembles A's tokens and,
     on a stop string, aborts A. Returns every token event (model, position, id, whether it has a
     logprob, its top ids) and finish of A and B; with stop strings B's only, A as the entry
     reassembles it up to the stop (what follows depends on when the Abort lands); the events'
     logprobs apart, in that order (a row's float rounding depends on the batch it ran in, and batches
     form as messages arrive); and the large model's engine stats."""
-    rig = Rig(pair, P, launch={"look_ahead": look_ahead})
+    rig = Rig(pair, P, launch={"look_ahead": look_ahead}, large=large)
     try:
         pa, _ = _answered_return(rig, **a_params)
         assert ("A" in rig.large.engine.ahead) == look_ahead  # A's second token: from its row, unchanged
@@ -642,3 +663,17 @@ def test_each_path_writes_the_same_events_with_an_answered_return(pair, eos_and_
     elif path == "trace":  # each token carries its attribution; the hand-offs' paths are on them
         traces = [ev[-1] for ev in events["A"]]
         assert None not in traces and any(t.path for t in traces)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_answered_return_on_two_ranks_writes_the_same_events(pair, eos_and_z, temperature):
+    """The answered-return scenario with the large model tensor-parallel over two ranks, A asking for
+    logprobs: the same events with look-ahead as without, a return answered from the row."""
+    a_params = {**_path("logprobs", *eos_and_z)[0], "temperature": temperature}
+    two = {"tp_size": 2}
+    with_it, floats, stats = _run_path(pair, True, a_params, [], large=two)
+    without, floats_without, stats_without = _run_path(pair, False, a_params, [], large=two)
+    assert with_it == without
+    assert floats == pytest.approx(floats_without, abs=1e-4)
+    assert stats.look_ahead_hits >= 1 and stats_without.look_ahead_hits == 0
+    assert stats.sampled_tokens == stats_without.sampled_tokens
