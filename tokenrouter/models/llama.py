@@ -285,8 +285,8 @@ class LlamaForCausalLM(nn.Module):
             source = None if blocks is None else blocks.get(head_name)
             # A Q8_0 head screens as int8 per channel: its exact form on the int4 kernel is two nibble
             # planes, twice the work. SmolLM2's 49,152 x 576 head at one row on two threads: 1.59 ms
-            # as two planes, 0.97 ms as int8 (the bound looser: 5 columns recomputed at the median
-            # where 3 were); 11.3 -> 10.8 ms a decode step (2-core Intel Xeon with AMX, 2026-12-06).
+            # as two planes, 0.97 ms as int8 (its looser bound recomputes a few more columns); 11.83
+            # -> 11.49 ms a token (benchmarks/handoff_ab.py; 2-core Intel Xeon with AMX, 2026-12-06).
             if blocks is None or (isinstance(source, BlockWeight) and source.kind == "Q8_0"):
                 self.lm_head_screened.add_quantized(quantized_linear.int8_per_channel(self.lm_head_weight), None)
             elif isinstance(source, BlockWeight):
