@@ -126,7 +126,8 @@ def test_a_load_the_served_point_held_returns_it_within_one_window():
     when the load is one the served point held with headroom; a higher load only steps back."""
     rig = Clocked(LowerIsMore(["small", "large"], threshold=0.3), floor=0.8)
     wire, _ = rig.start()
-    assert rig.window({wire: 0.7 * TARGET}).value == 0.3  # the served point holds one request: remembered
+    for _ in range(2):  # the served point holds one request (learned from the second window on)
+        assert rig.window({wire: 0.7 * TARGET}).value == 0.3
     crowd = [rig.start()[0] for _ in range(3)]
     for _ in range(10):
         rig.window({w: 3 * TARGET for w in [wire, *crowd]})
@@ -141,17 +142,23 @@ def test_a_load_the_served_point_held_returns_it_within_one_window():
     assert stepped == pytest.approx(rig.range.value(STEP_BACK))
 
 
-def test_an_overload_at_a_held_load_forgets_it():
-    """The served point overloading at a load it had held: that load no longer returns it at once."""
-    rig = Clocked(LowerIsMore(["small", "large"], threshold=0.3), floor=0.8)
-    wire, _ = rig.start()
-    rig.window({wire: 0.7 * TARGET})
-    assert rig.window({wire: 3 * TARGET}).value > 0.3  # same load, now over the target (longer prompts, say)
-    held = rig.ad.state.value
-    assert rig.window({wire: 0.9 * TARGET}).value == held  # within the target, no headroom: hold, not return
-    position = rig.ad.controller.position
-    rig.window({wire: 0.7 * TARGET})  # headroom: a step back, not the served point
-    assert rig.ad.controller.position == pytest.approx(position + STEP_BACK) and position + STEP_BACK < 1.0
+def test_loads_are_learned_at_the_served_point_only_and_forgotten_when_it_overloads():
+    c = KnobController(TARGET)
+    c.update(0.7 * TARGET, 1.0)
+    assert c.safe_load == 0.0  # the first window: its requests may predate it
+    c.update(0.7 * TARGET, 1.0)
+    assert c.safe_load == 1.0
+    c.update(3 * TARGET, 4.0)  # an overload at a load it never held: the memory stays
+    assert c.safe_load == 1.0 and c.position < 1.0
+    assert c.update(0.9 * TARGET, 1.2) == 1.0  # within the target at up to 1.25x the held load: back
+    c.update(0.7 * TARGET, 1.2)  # the first window after a return still holds requests at lower values
+    assert c.safe_load == 1.0
+    c.update(0.7 * TARGET, 1.2)
+    assert c.safe_load == 1.2
+    c.update(3 * TARGET, 1.4)  # the served point overloads at a load it would return at: forgotten
+    assert c.safe_load == 0.7 and c.position < 1.0
+    held = c.position
+    assert c.update(0.9 * TARGET, 1.4) == held  # within the target, no headroom: hold, no return
 
 
 @pytest.mark.parametrize("algorithm,floor", [(bernoulli(0.4), None), (bernoulli(0.4), 0.0), (bernoulli(1.0), 0.3),

@@ -9,11 +9,14 @@
  *
  * The bfloat16 variants read and write the quantized products' own bfloat16 (their inputs and
  * outputs, models/quantized_linear.py), so a layer hands its rows on without a conversion op each
- * way; they compute in float32 exactly as the float32 ones (the same row helpers) and round as torch
- * rounds, to nearest even, so their results are the float32 ones' converted by torch.
+ * way. They widen a row into an aligned float32 scratch row, run the very row helpers the float32
+ * ops run (noinline: one copy of the machine code, so vectorisation and its tails cannot differ
+ * between the two), and round as torch rounds, to nearest even: their results are the float32
+ * ones' converted by torch. They return 0, or -2 when the scratch row cannot be allocated.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float from_bf16(uint16_t b) {
@@ -31,13 +34,24 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* 1 / sqrt(mean(h^2) + eps) over a row of dim; one copy of the code for both norms (noinline), so the
- * vectorised sum adds in the same order in each. */
-__attribute__((noinline)) static float inverse_rms(const float *h, int64_t dim, float eps) {
+/* The row helpers (noinline; see the top). */
+__attribute__((noinline)) static void norm_row(const float *h, const float *w, float eps, int64_t dim, float *o) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t j = 0; j < dim; j++) ss += h[j] * h[j];
-    return 1.0f / sqrtf(ss / (float)dim + eps);
+    const float scale = 1.0f / sqrtf(ss / (float)dim + eps);
+#pragma omp simd
+    for (int64_t j = 0; j < dim; j++) o[j] = w[j] * (h[j] * scale);
+}
+
+__attribute__((noinline)) static void silu_mul_row(const float *g, const float *u, int64_t n, float *o) {
+#pragma omp simd
+    for (int64_t j = 0; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+}
+
+/* A 64-byte aligned float32 scratch of n floats (as torch aligns its tensors), or NULL. */
+static float *scratch(int64_t n) {
+    return aligned_alloc(64, (size_t)((n * 4 + 63) / 64 * 64));
 }
 
 /* Row r, head g of x (at x + r * ld + g * dim) normalised: out[r, g] = w * h / sqrt(mean(h^2) + eps),
@@ -55,17 +69,16 @@ void add_rms_norm_f32(const float *x, int64_t ld, const float *res, const float 
             for (int64_t j = 0; j < dim; j++) hs[j] = xr[j] + rr[j];
             h = hs;
         }
-        const float scale = inverse_rms(h, dim, eps);
-        float *o = out + i * dim;
-#pragma omp simd
-        for (int64_t j = 0; j < dim; j++) o[j] = w[j] * (h[j] * scale);
+        norm_row(h, w, eps, dim, out + i * dim);
     }
 }
 
 /* add_rms_norm_f32 on one-head rows with out in bfloat16, and x in bfloat16 where x_bf16 (then with
  * res: sum = x + res in float32, as torch adds a bfloat16 and a float32 tensor). */
-void add_rms_norm_bf16(const void *x, int64_t x_bf16, int64_t ld, const float *res, const float *w, float eps,
-                       int64_t rows, int64_t dim, float *sum, uint16_t *out) {
+int add_rms_norm_bf16(const void *x, int64_t x_bf16, int64_t ld, const float *res, const float *w, float eps,
+                      int64_t rows, int64_t dim, float *sum, uint16_t *out) {
+    float *row = scratch(dim);
+    if (!row) return -2;
     for (int64_t i = 0; i < rows; i++) {
         const float *h = (const float *)x + i * ld;
         if (res) {
@@ -81,11 +94,13 @@ void add_rms_norm_bf16(const void *x, int64_t x_bf16, int64_t ld, const float *r
             }
             h = hs;
         }
-        const float scale = inverse_rms(h, dim, eps);
+        norm_row(h, w, eps, dim, row);
         uint16_t *o = out + i * dim;
 #pragma omp simd
-        for (int64_t j = 0; j < dim; j++) o[j] = to_bf16(w[j] * (h[j] * scale));
+        for (int64_t j = 0; j < dim; j++) o[j] = to_bf16(row[j]);
     }
+    free(row);
+    return 0;
 }
 
 /* Rows of `heads` heads of size d (row stride ld) rotated by their row's angles: cos and sin [rows, d]
@@ -109,24 +124,34 @@ void rotate_f32(const float *x, int64_t ld, int64_t rows, int64_t heads, int64_t
 /* out[r, j] = silu(g[r, j]) * u[r, j], with g and u the two halves of row r of gate_up (row stride ld). */
 void silu_mul_f32(const float *gate_up, int64_t ld, int64_t rows, int64_t n, float *out) {
     for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * ld, *u = g + n;
-        float *o = out + r * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        const float *g = gate_up + r * ld;
+        silu_mul_row(g, g + n, n, out + r * n);
     }
 }
 
 /* silu_mul_f32 on bfloat16 rows, rounded to bfloat16. */
-void silu_mul_bf16(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t n, uint16_t *out) {
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *g = gate_up + r * ld, *u = g + n;
-        uint16_t *o = out + r * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; j++) {
-            const float gj = from_bf16(g[j]);
-            o[j] = to_bf16(gj / (1.0f + expf(-gj)) * from_bf16(u[j]));
-        }
+int silu_mul_bf16(const uint16_t *gate_up, int64_t ld, int64_t rows, int64_t n, uint16_t *out) {
+    float *g = scratch(2 * n), *o = scratch(n);  /* laid out as silu_mul_f32 reads a row and writes one */
+    if (!g || !o) {
+        free(g);
+        free(o);
+        return -2;
     }
+    float *u = g + n;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gb = gate_up + r * ld;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) g[j] = from_bf16(gb[j]);
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) u[j] = from_bf16(gb[n + j]);
+        silu_mul_row(g, u, n, o);
+        uint16_t *ob = out + r * n;
+#pragma omp simd
+        for (int64_t j = 0; j < n; j++) ob[j] = to_bf16(o[j]);
+    }
+    free(g);
+    free(o);
+    return 0;
 }
 
 /* The first index of each row's largest value (rows of width n, row stride ld), as torch.argmax for

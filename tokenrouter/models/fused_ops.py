@@ -28,8 +28,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _checked(op: str, rc: int | None) -> None:
+    if rc == -2:
+        raise MemoryError(f"fused {op}: no memory for a scratch row")
+
+
 class FusedOps:
-    """Each method takes float32 CPU tensors laid out as it says and returns new tensors."""
+    """Each method takes float32 CPU tensors (or bfloat16 where it says) laid out as it says and
+    returns new tensors."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -42,8 +48,10 @@ class FusedOps:
         self._silu_mul = {torch.float32: lib.silu_mul_f32, torch.bfloat16: lib.silu_mul_bf16}
         self._argmax = lib.argmax_f32
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
-        for fn in (self._norm, self._norm_bf16, self._rotate, *self._silu_mul.values(), self._argmax):
+        for fn in (self._norm, self._rotate, self._silu_mul[torch.float32], self._argmax):
             fn.restype = None
+        for fn in (self._norm_bf16, self._silu_mul[torch.bfloat16]):
+            fn.restype = ctypes.c_int  # 0, or -2: no memory for the scratch row
         for fn in self._silu_mul.values():
             fn.argtypes = [ptr, i64, i64, i64, ptr]
 
@@ -60,8 +68,9 @@ class FusedOps:
                 raise ValueError(f"fused rms_norm: bfloat16 x {tuple(x.shape)} needs 2-D rows and a residual")
             out = torch.empty(x.shape, dtype=out_dtype)
             h = x if residual is None else torch.empty(x.shape, dtype=torch.float32)
-            self._norm_bf16(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), _ptr(residual), weight.data_ptr(),
-                            eps, x.shape[0], x.shape[1], None if residual is None else h.data_ptr(), out.data_ptr())
+            _checked("rms_norm", self._norm_bf16(x.data_ptr(), x.dtype == torch.bfloat16, x.stride(0), _ptr(residual),
+                                                 weight.data_ptr(), eps, x.shape[0], x.shape[1],
+                                                 None if residual is None else h.data_ptr(), out.data_ptr()))
             return h, out
         rows, dim = x.shape[0], x.shape[-1]
         heads = x.shape[1] if x.dim() == 3 else 1
@@ -92,7 +101,8 @@ class FusedOps:
         in its dtype (bfloat16: computed in float32, then rounded)."""
         rows, width = gate_up.shape
         out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
-        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), rows, width // 2, out.data_ptr())
+        _checked("silu_mul", self._silu_mul[gate_up.dtype](gate_up.data_ptr(), gate_up.stride(0), rows, width // 2,
+                                                           out.data_ptr()))
         return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,10 @@ window's p99 time per output token (TPOT):
   returns at up to `LOAD_SLACK` times it. Why: at low load the knob barely moves p99 (the small
   model's steps dominate a token), so p99 alone cannot tell a fallen load from a held one; the
   default pair's lone-request p99 sat at 0.53-0.62 of its target after a ramp, a quarter step a
-  window back. Where the served point then overloads at a load it had held, the remembered load
-  halves, so the return cannot oscillate on a stale memory;
+  window back. A load is learned only from a window whose predecessor also started at the served
+  point (a request keeps the value it started with). Where the served point then overloads at a load
+  it would return at, the remembered load halves, below that load's reach, so the return cannot
+  oscillate on a stale memory;
 - p99 at most `MARGIN` of the target: a step of `STEP_BACK` toward the served point (the headroom
   keeps one step from pushing p99 over again);
 - otherwise hold.
@@ -73,21 +75,27 @@ class KnobController:
         self.target_s = target_s
         self.position = 1.0
         self.safe_load = 0.0  # the highest load the served point held with headroom (none yet)
+        # Windows in a row that started at the served point. A request keeps the value it started
+        # with, so the first window after a return still holds requests at lower values: a load is
+        # learned only from a window whose predecessor was at the served point too.
+        self.served_windows = 0
 
     def update(self, p99_s: float | None, load: float | None = None) -> float:
         """The new position after a window whose adapting requests' p99 TPOT was `p99_s` seconds
         (None: none of them streamed) at a mean of `load` of them streaming (None: not measured)."""
-        target, served = self.target_s, self.position == 1.0
+        target = self.target_s
+        self.served_windows = self.served_windows + 1 if self.position == 1.0 else 0
+        returns = load is not None and load <= LOAD_SLACK * self.safe_load
         if p99_s is None or p99_s <= RETURN_BELOW * target:
             self.position = 1.0
         elif p99_s > target:
-            if served and load is not None and load <= self.safe_load:
+            if self.position == 1.0 and returns and load is not None:  # it no longer holds a load it returns at
                 self.safe_load = load / 2
             self.position = max(0.0, min(self.position * target / p99_s, self.position - MIN_DECREASE))
-        elif load is not None and load <= LOAD_SLACK * self.safe_load:
+        elif returns:
             self.position = 1.0
         elif p99_s <= MARGIN * target:
             self.position = min(1.0, self.position + STEP_BACK)
-        if served and load is not None and p99_s is not None and p99_s <= MARGIN * target:
+        if self.served_windows >= 2 and load is not None and p99_s is not None and p99_s <= MARGIN * target:
             self.safe_load = max(self.safe_load, load)
         return self.position

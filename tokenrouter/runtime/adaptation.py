@@ -56,6 +56,7 @@ class Adaptation:
         self.window = TpotWindow()
         self.window_s = cfg.window
         self.closes_at = now + cfg.window
+        self.opened = now  # when the window now open began to collect (the last close)
         self.adapting: set[str] = set()  # wire ids of the live requests that adapt
         self.logged = 1.0  # the position last logged (the served point at start)
         self.state = AdaptState(algorithm.name, self.param, self.range.served, self.range.served, self.range.floor,
@@ -86,7 +87,9 @@ class Adaptation:
         while now >= self.closes_at:
             self.closes_at += self.window_s
             figures = self.window.close()
-            load = figures.streaming_s / self.window_s
+            # after a stall the first window closed holds every gap since the last close
+            load = figures.streaming_s / max(self.window_s, now - self.opened)
+            self.opened = now
             position = self.controller.update(figures.p99_s, load)
             old = self.state
             self.state = dataclasses.replace(old, value=self.range.value(position), p99_s=figures.p99_s,
