@@ -355,10 +355,10 @@ def test_a_routed_group_writes_the_same_tokens_with_it(pair, temperature):
         without.close()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_large_model_on_two_ranks_writes_the_same_tokens_with_it(pair, temperature):
+def test_a_large_model_on_two_ranks_writes_the_same_tokens_with_it(pair, temperature=0.0):
     """The group above with the large model tensor-parallel over two ranks (its look-ahead rows run on
-    both): the same tokens by the same models with look-ahead as without, and as on one rank."""
+    both), greedy: the same tokens by the same models with look-ahead as without, and as on one rank.
+    (Sampled on two ranks: the answered-return test below.)"""
     tp = {"large": {"tp_size": 2}}
     with_it, without = Rig(pair, 0.5, **tp), Rig(pair, 0.5, launch={"look_ahead": False}, **tp)
     try:
@@ -665,10 +665,9 @@ def test_each_path_writes_the_same_events_with_an_answered_return(pair, eos_and_
         assert None not in traces and any(t.path for t in traces)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_an_answered_return_on_two_ranks_writes_the_same_events(pair, eos_and_z, temperature):
-    """The answered-return scenario with the large model tensor-parallel over two ranks, A asking for
-    logprobs: the same events with look-ahead as without, a return answered from the row."""
+def test_an_answered_return_on_two_ranks_writes_the_same_events(pair, eos_and_z, temperature=1.0):
+    """The answered-return scenario with the large model tensor-parallel over two ranks, A sampled and
+    asking for logprobs: the same events with look-ahead as without, a return answered from the row."""
     a_params = {**_path("logprobs", *eos_and_z)[0], "temperature": temperature}
     two = {"tp_size": 2}
     with_it, floats, stats = _run_path(pair, True, a_params, [], large=two)
