@@ -12,6 +12,8 @@ eval` answers. Systems:
   r2r t=...        the pair's R2R router at each --thresholds value (default: the served one and two
                    either side in logit); the reference point: --reference, else the most accurate with
                    at most --max-share of its tokens on SmolLM2
+  speculative      with --fly E...: the pair's `speculative` algorithm, --fly-draft-tokens drafts a run,
+                   FLy's gate at each entropy threshold E (1: exact, SmolLM2's own answers)
   random tokens    bernoulli at p = the reference point's share (each position to SmolLM2 at random)
   random requests  whole requests to SmolLM2 at random, at the reference's token share: each
                    answer's expected score, from the single-model answers
@@ -50,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", type=float, default=None, help="the r2r threshold to compare against")
     ap.add_argument("--max-share", type=float, default=0.30)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--fly", type=float, nargs="*", default=[], help="speculative rows at these FLy thresholds")
+    ap.add_argument("--fly-draft-tokens", type=int, default=4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -103,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in thresholds:
             systems[f"r2r t={t:.4g}"] = run([small_spec, large_spec], algorithm_config("r2r", pair, t), prompts,
                                             problems)
+        for e in args.fly:
+            systems[f"speculative fly={e:g}"] = run(
+                [small_spec, large_spec], {"name": "speculative", "draft_tokens": args.fly_draft_tokens,
+                                           "fly_entropy_threshold": e}, prompts, problems)
         routed = [k for k in systems if k.startswith("r2r")]
         acc = {k: sum(v["correct"]) / len(problems) for k, v in systems.items()}
         if args.reference is not None:

@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same", type=int, default=200)
     ap.add_argument("--draws", type=int, default=1000)
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--fly", type=float, nargs="*", default=[], help="FLy entropy thresholds (lossy) to time")
+    ap.add_argument("--fly-draft-tokens", type=int, default=4)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phases", default="same,chi2,speed")
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 srv.stop()
         if "same" in phases:
-            result["same"] = {kind: parted(got["speculative"][kind], got["large"][kind]) for kind in ("greedy", "sampled")}
+            result["same"] = {kind: parted(got["speculative"][kind], got["large"][kind])
+                              for kind in ("greedy", "sampled")}
             result["same"]["floor: large one at a time"] = parted(got["large"]["greedy_one_at_a_time"],
                                                                   got["large"]["greedy"])
             print("same:", json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "first_difference_at"}
@@ -170,14 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     if "speed" in phases:
         prompts = questions[-64:]
         rows = []
-        names = ["large"] + [f"speculative k={k}" for k in args.draft_tokens]
+        names = (["large"] + [f"speculative k={k}" for k in args.draft_tokens]
+                 + [f"speculative k={args.fly_draft_tokens} fly={e:g}" for e in args.fly])
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 system = name.split()[0]
                 srv = serve(system)
                 try:
-                    routing = {"draft_tokens": int(name.split("=")[1])} if "=" in name else None
+                    knobs = dict(part.split("=") for part in name.split()[1:])
+                    routing = {"draft_tokens": int(knobs["k"])} if knobs else None
+                    if "fly" in knobs:
+                        routing = {**(routing or {}), "fly_entropy_threshold": float(knobs["fly"])}
                     for c in args.concurrency:
                         row = {"round": r, "system": name, "concurrency": c,
                                **speed(srv.url, system, prompts, c, routing)}

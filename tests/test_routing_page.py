@@ -102,7 +102,9 @@ def test_trace_fields_streaming_and_not(server, path):
     full = post(server, path, body).json()
     choice = full["choices"][0]
     trace, routing = choice["trace"], full["routing"]
-    assert len(trace) == 30 and set(trace[0]) == {"token", "text", "model", "handoff", "score", "threshold"}
+    assert len(trace) == 30 and set(trace[0]) == {"token", "text", "model", "handoff", "score", "threshold",
+                                                   "rejected", "rejected_text"}
+    assert all(t["rejected"] == [] and t["rejected_text"] == "" for t in trace)  # bernoulli drafts nothing
     counts = {m: sum(t["model"] == m for t in trace) for m in ("small", "large")}
     assert {m: c for m, c in counts.items() if c} == routing["tokens_per_model"]
     assert sum(max(0, len(t["handoff"]) - 1) for t in trace) == routing["handoffs"] > 0

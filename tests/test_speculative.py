@@ -1,20 +1,32 @@
 """The speculative algorithm on two Subservers in this process: whoever drafts, the answer is the
 verifier's own, token for token (greedy, and sampled with the same seed), drafts are accepted and
 rejected, stops inside a run of drafts end the answer where the verifier alone ends it, and no page
-leaks on either model."""
+leaks on either model. The lossy knob (FLy's loose verification) keeps a rejected draft exactly where
+its rule says."""
 
 from __future__ import annotations
 
+import math
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
 from engine_utils import make_engine, prompts_of
 from prometheus_client.parser import text_string_to_metric_families
 from routing_utils import Rig, build_pair
 
-from tokenrouter.engine.req import Req
+from tokenrouter.engine.config import EngineConfig
+from tokenrouter.engine.engine import Engine
+from tokenrouter.engine.model_runner import StepOutputSpec
+from tokenrouter.engine.req import LooseVerify, Req
 from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.routing.algorithm import RoutingParamError
 from tokenrouter.routing.speculative import Speculative
+from tokenrouter.runtime.messages import Tokens
+from tokenrouter.runtime.reassembly import TokenOut
 from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.server.generation import trace_entries
 from tokenrouter.server.metrics import ServerMetrics
 
 
@@ -152,3 +164,126 @@ def test_bad_draft_lengths_and_drafts_the_engine_cannot_verify_are_refused(paths
         eng.receive("x", 3, [4, 5], drafts=3)
     assert req.drafts == 0
     assert PeerReq(rid="x", suffix=[1], loc=0).draft == 0
+
+
+def greedy_next(path, tokens: list[int]) -> tuple[int, float]:
+    """The verifier's greedy token after `tokens`, and the normalised entropy of its top 3 there."""
+    eng = make_engine(path)
+    eng.add_request(tokens, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    out = eng.forward_step()
+    assert out is not None and out.logits is not None
+    logp = torch.log_softmax(out.logits[0].topk(3).values.double(), dim=-1)
+    return out.token_ids[0], float(-(logp.exp() * logp).sum() / math.log(3))
+
+
+@pytest.mark.parametrize("spec", [StepOutputSpec(logits=True), StepOutputSpec()], ids=["logits", "screened"])
+def test_a_loose_rule_keeps_a_rejected_draft_only_where_the_verifier_is_unsure_and_agrees_after(paths, spec):
+    """Drafts [x, y, ...] where the verifier writes t0 != x first and y after x: exactly, nothing is
+    kept; loosely, x is kept when the verifier's entropy there is above the rule's and the next
+    `window` drafts agree, and then its own token after y follows."""
+    prompt = PROMPTS[1]
+    t0, unsure = greedy_next(paths["large"], prompt)
+    x = (t0 + 1) % 64
+    y, _ = greedy_next(paths["large"], prompt + [x])
+    z, _ = greedy_next(paths["large"], prompt + [x, y])
+    assert 0.0 < unsure < 1.0
+
+    def verify(drafts: list[int], loose: LooseVerify | None) -> tuple[int, list[int]]:
+        """(drafts kept, the output after the step: kept drafts then the verifier's token)."""
+        cfg = EngineConfig(model_path=str(paths["large"]), kv_cache_tokens=1024, page_size=4, device="cpu")
+        eng = Engine(cfg, outputs=spec)
+        req = eng.add_request(prompt + drafts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                              prompt_len=len(prompt), drafts=len(drafts), loose=loose)
+        out = eng.forward_step()
+        assert out is not None and out.accepted is not None
+        # the verifier's own spec (speculative asks for nothing) takes the screened head's exact top
+        assert (out.logits is None) == (spec == StepOutputSpec() and eng.model.lm_head_screened is not None)
+        assert eng.accept_drafts(req, 0.0) == out.accepted[0]
+        eng.check_integrity()
+        assert req.loose is None  # spent by the verification
+        return out.accepted[0], req.output_ids + [out.token_ids[0]]
+
+    assert verify([x, y], None) == (0, [t0])
+    assert verify([x, y], LooseVerify(0.0, 1)) == (2, [x, y, z])
+    assert verify([x, y], LooseVerify(unsure - 1e-3, 6)) == (2, [x, y, z])  # the window: as many as follow
+    assert verify([x, y], LooseVerify(unsure + 1e-3, 1)) == (0, [t0])  # sure enough of t0
+    assert verify([x, (y + 1) % 64], LooseVerify(0.0, 1)) == (0, [t0])  # the next draft disagrees
+    assert verify([x], LooseVerify(0.0, 1)) == (0, [t0])  # no draft after it to agree
+
+
+@pytest.fixture(scope="module")
+def near(paths, tmp_path_factory) -> Path:
+    """A drafter that agrees with the verifier part of the time: its weights plus noise (a fifth of each
+    matrix's spread). The random small model agrees almost never, so FLy's window never holds for it."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("speculative-near") / "near"
+    shutil.copytree(paths["large"], folder)
+    weights = load_file(folder / "model.safetensors")
+    g = torch.Generator().manual_seed(3)
+    save_file({k: v + 0.2 * v.std() * torch.randn(v.shape, generator=g) if v.dim() > 1 else v
+               for k, v in weights.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_the_lossy_knob_keeps_drafts_the_exact_verifier_rejects(rigs, paths, near):
+    """A drafter that agrees now and then, through the group: with FLy's gate wide open more of its
+    drafts are kept than exactly, every answer is whole and no page leaks; the answers are no longer
+    only the verifier's."""
+    params = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    exact = Rig({"small": near, "large": paths["large"]}, 0.0, algorithm={"name": "speculative", "draft_tokens": 3})
+    rigs.append(exact)
+    serve(exact, PROMPTS, SEEDS, **params)
+    loose = Rig({"small": near, "large": paths["large"]}, 0.0,
+                algorithm={"name": "speculative", "draft_tokens": 3, "fly_entropy_threshold": 0.0,
+                           "fly_window_size": 1})
+    rigs.append(loose)
+    got = serve(loose, PROMPTS, SEEDS, **params)
+    want = alone(paths["large"], PROMPTS, SEEDS, **params)
+    a, b = exact.large.engine.stats, loose.large.engine.stats
+    assert b.drafts_accepted > a.drafts_accepted, (b.drafts_accepted, a.drafts_accepted)
+    assert [toks for toks, _, _ in got] != [toks for toks, _ in want]
+
+
+def test_bad_fly_parameters_are_refused_naming_them():
+    for field, bad in (("fly_entropy_threshold", 1.5), ("fly_entropy_threshold", "high"), ("fly_window_size", 0),
+                       ("fly_window_size", 2.0)):
+        with pytest.raises(RoutingParamError, match=field):
+            Speculative.check_request_params({field: bad})
+    with pytest.raises(ValueError, match="fly_window_size"):
+        make_algorithm("speculative", ["a", "b"], {"fly_window_size": 40})
+    # a run of one draft has none after it to agree: the knob would do nothing, so it is refused
+    with pytest.raises(ValueError, match="fly_entropy_threshold.*draft_tokens"):
+        make_algorithm("speculative", ["a", "b"], {"fly_entropy_threshold": 0.3})
+    one = Speculative(["a", "b"], draft_tokens=1)
+    with pytest.raises(RoutingParamError, match="fly_entropy_threshold.*draft_tokens"):
+        one.resolve_request({"fly_entropy_threshold": 0.3})
+    assert one.resolve_request({"fly_entropy_threshold": 0.3, "draft_tokens": 2})["fly_window_size"] == 6
+    assert Speculative.check_request_params({"fly_entropy_threshold": 0.3, "fly_window_size": 2}) == \
+        {"fly_entropy_threshold": 0.3, "fly_window_size": 2}
+
+
+def test_a_traced_answer_shows_each_rejected_run_where_the_verifier_replaced_it(rigs, paths):
+    """The random drafter, traced: each token the verifier writes after rejecting drafts carries the run
+    it replaced (the first rejected draft is not the verifier's token there), accepted drafts come as
+    the drafter's own tokens, and the runs add up to the verifier's rejections."""
+    rig = speculative_rig(rigs, paths, "small")
+    rids = [f"t{i}" for i in range(len(PROMPTS))]
+    for rid, prompt, seed in zip(rids, PROMPTS, SEEDS):
+        rig.add(rid, prompt, seed, trace=True, max_tokens=20)
+    rig.pump(lambda: all(rig.finished(r) for r in rids) and not rig.large.engine.reqs, "traced answers", timeout=60)
+    rig.settle()
+    events = [(m.model, e) for m in rig.msgs if isinstance(m, Tokens) for e in m.items]
+    runs = [(model, e) for model, e in events if e.trace is not None and e.trace.rejected]
+    assert runs and all(model == "large" and e.trace.rejected[0] != e.token for model, e in runs)
+    assert all(not e.trace.rejected for model, e in events if model == "small")
+    stats = rig.large.engine.stats
+    assert sum(len(e.trace.rejected) for _, e in runs) == stats.drafts_verified - stats.drafts_accepted
+    model, first = runs[0]
+    (entry,) = trace_entries([TokenOut(first.rid, first.token, model, "", trace=first.trace)], Decoder())
+    assert (entry["rejected"], entry["rejected_text"]) == (first.trace.rejected, Decoder().decode(first.trace.rejected))
+
+
+class Decoder:
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))

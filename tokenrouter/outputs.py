@@ -34,6 +34,9 @@ class TokenTrace:
     handoff: list[str]
     score: float | None  # the router's score at this position (None: the algorithm has none)
     threshold: float | None  # what the score was compared with
+    # The drafts `model` verified and rejected at this position (speculative decoding): the run this
+    # token replaces; empty elsewhere.
+    rejected: list[int] = field(default_factory=list)
 
 
 @dataclass

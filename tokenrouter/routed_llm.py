@@ -129,7 +129,7 @@ class RoutedLLM:
             index=0, text=text, token_ids=ids, finish_reason=req.finish_reason, stop_reason=req.stop_reason,
             logprobs=logprobs, cumulative_logprob=sum(t.logprob for t in scored) if scored else None,
             token_models=[t.model for t in out.tokens],
-            trace=[TokenTrace(t.model, list(t.trace.path), t.trace.score, t.trace.threshold)
+            trace=[TokenTrace(t.model, list(t.trace.path), t.trace.score, t.trace.threshold, list(t.trace.rejected))
                    for t in out.tokens if t.trace is not None] if req.plan.options.trace else None)
         metrics = RequestMetrics(arrival_time=req.arrival_time, first_token_time=out.first_token_time,
                                  finished_time=req.finish_time, num_cached_tokens=None,

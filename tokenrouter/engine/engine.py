@@ -9,8 +9,8 @@ import random
 import time
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -22,7 +22,7 @@ from tokenrouter.engine.latency_model import LatencyModelRunner
 from tokenrouter.engine.model_loader import load_model, quantize
 from tokenrouter.engine.model_runner import ModelRunner, StepOutput, StepOutputSpec
 from tokenrouter.engine.radix_cache import RadixCache
-from tokenrouter.engine.req import Req, ReqStatus
+from tokenrouter.engine.req import LooseVerify, Req, ReqStatus
 from tokenrouter.engine.request_validation import validate_prompt
 from tokenrouter.engine.scheduler import LaunchPolicy, Scheduler, SchedulerConfig
 from tokenrouter.engine.step_board import CoreShare
@@ -253,11 +253,11 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                     detokenize: bool = False, seed: int | None = None, prompt_len: int | None = None,
-                    drafts: int = 0) -> Req:
+                    drafts: int = 0, loose: LooseVerify | None = None) -> Req:
         """Validate and queue a request. `detokenize` keeps `req.text` current at every token
         (streaming); requests with stop strings are always detokenized. A request arriving from a peer
         brings its seed and, when output was already written, its prompt length, and may end in
-        `drafts` for this model to verify (Req.drafts)."""
+        `drafts` for this model to verify (Req.drafts) by the rule `loose` (None: exactly)."""
         self.validate(prompt_ids, params)
         if rid is None:
             rid = f"req-{self._next_rid}"
@@ -271,7 +271,7 @@ class Engine:
         n_prompt = len(prompt_ids) if prompt_len is None else prompt_len
         req = Req(rid=rid, tokens=list(prompt_ids), prompt_len=n_prompt, params=params, seed=seed)
         self._check_drafts(req, drafts, len(prompt_ids) - n_prompt)
-        req.drafts = drafts
+        req.drafts, req.loose = drafts, loose if drafts else None
         if params.structured_output is not None:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -295,13 +295,14 @@ class Engine:
         else:
             self.scheduler.set_pending(req)
 
-    def receive(self, rid: str, loc: int, suffix: list[int], drafts: int = 0) -> StepOutput | None:
+    def receive(self, rid: str, loc: int, suffix: list[int], drafts: int = 0,
+                loose: LooseVerify | None = None) -> StepOutput | None:
         """A peer hands request rid back: cut our copy to `loc`, append the suffix, run again.
         Only the unseen suffix is computed; KV past `loc` is rolled back. Returns the row of the
         request's next token when a look-ahead already sampled it from these very tokens: the caller
         commits it as a step's row, and the request runs nothing. The suffix's last `drafts` tokens
-        are proposals this model verifies (Req.drafts); the cut drops what this model drafted past
-        `loc` (Engine.append_draft)."""
+        are proposals this model verifies (Req.drafts) by the rule `loose` (None: exactly); the cut
+        drops what this model drafted past `loc` (Engine.append_draft)."""
         req = self.reqs[rid]
         self._check_drafts(req, drafts, len(suffix))
         ahead = self.ahead.pop(rid, None)
@@ -311,7 +312,7 @@ class Engine:
         if req.grammar is not None:
             req.grammar.truncate(max(0, loc - req.prompt_len))
         req.tokens.extend(suffix)
-        req.drafts = drafts
+        req.drafts, req.loose = drafts, loose if drafts else None
         if req.status is ReqStatus.PENDING:
             self.scheduler.resume(req)
         if ahead is not None and unchanged and req.extend_len == 0:
@@ -399,22 +400,27 @@ class Engine:
         self.stats.steps += 1
         self.stats.extended_tokens += batch.num_tokens
         if out.accepted is not None:
-            self._cut_rejected(out)
+            out = self._cut_rejected(out)
         if any(r.look_ahead for r in out.reqs):
             out = self._set_aside(out)
         self.stats.sampled_tokens += len(out.token_ids)
         return out
 
-    def _cut_rejected(self, out: StepOutput) -> None:
+    def _cut_rejected(self, out: StepOutput) -> StepOutput:
         """A verifying step's rows: drop each request's drafts past the run it accepted (KV rolled
-        back); the accepted ones stay its drafts until the caller commits them (accept_drafts)."""
+        back); the accepted ones stay its drafts until the caller commits them (accept_drafts). The
+        step, with the drafts each row rejected."""
         assert out.accepted is not None
+        rejected: list[list[int]] = []
         for req, a in zip(out.reqs, out.accepted):
+            cut = len(req.tokens) - req.drafts + a
+            rejected.append(req.tokens[cut:] if req.drafts else [])
             if req.drafts:
                 self.stats.drafts_verified += req.drafts
                 self.stats.drafts_accepted += a
-                self.scheduler.truncate(req, len(req.tokens) - req.drafts + a)
-                req.drafts = a
+                self.scheduler.truncate(req, cut)
+                req.drafts, req.loose = a, None  # verified: the rule is spent
+        return out._replace(rejected=rejected)
 
     def _set_aside(self, out: StepOutput) -> StepOutput:
         """Keep the look-ahead rows' samples for `receive` (their requests turn PENDING); the rest of
@@ -540,6 +546,8 @@ class Engine:
         for req in self.reqs.values():
             if not 0 <= req.drafts <= req.num_output:
                 raise AssertionError(f"request {req.rid}: {req.drafts} drafts among {req.num_output} output tokens")
+            if req.loose is not None and not req.drafts:
+                raise AssertionError(f"request {req.rid}: a verification rule without drafts")
             if req.drafts and req.status is ReqStatus.RUNNING and req.extend_len <= req.drafts:
                 raise AssertionError(f"request {req.rid}: verifies {req.drafts} drafts with {req.extend_len} to run")
             if req.look_ahead and (req.status is not ReqStatus.RUNNING or req.extend_len != 1):

@@ -11,7 +11,7 @@ import torch
 
 from tokenrouter.engine.compiled_step import CompiledDecode
 from tokenrouter.engine.logits_processing import process_logits, processed
-from tokenrouter.engine.req import Req
+from tokenrouter.engine.req import LooseVerify, Req
 from tokenrouter.engine.sampler import Sampler, SamplingBatch
 from tokenrouter.engine.step_outputs import StepOutputSpec, StepTensors, step_tensors
 from tokenrouter.engine.tp_step import broadcast_batch
@@ -39,6 +39,8 @@ class StepOutput(NamedTuple):
     # verified drafts. A verifying row's token and outputs are those at the first rejected draft
     # (or after the last draft when all were accepted).
     accepted: list[int] | None = None
+    # Per row, the drafts the step rejected (Engine._cut_rejected: the run past the accepted ones).
+    rejected: list[list[int]] | None = None
 
     def rows(self, idx: list[int]) -> StepOutput:
         """The rows `idx` of this step, in that order, as a step of those requests."""
@@ -50,7 +52,13 @@ class StepOutput(NamedTuple):
         top = None if self.top_logits is None else (pick(self.top_logits[0]), pick(self.top_logits[1]))
         return StepOutput([self.reqs[i] for i in idx], [self.token_ids[i] for i in idx], pick(self.logprobs),
                           pick(self.top_logprobs), pick(self.hidden), pick(self.logits), top, pick(self.entropy),
-                          pick(self.accepted))
+                          pick(self.accepted), pick(self.rejected))
+
+
+def _loosely_kept(rule: LooseVerify, agree: list[bool], a: int, unsure: float) -> bool:
+    """Whether draft `a`, which the verifier's own sample rejects, is kept by `rule`."""
+    window = agree[a + 1:a + 1 + rule.window]
+    return unsure > rule.entropy and bool(window) and all(window)
 
 
 class ModelRunner:
@@ -160,16 +168,20 @@ class ModelRunner:
         """Speculative verification (Req.drafts): each request's rows sample at the token before its
         drafts and at each draft, keyed by position like any sample, so row j draws the token this
         model would write at that position itself. The request keeps its drafts up to the first one
-        its own draw disagrees with, and takes that row's draw as its next token."""
+        its own draw disagrees with (or, by a request's `loose` rule, the first it does not keep
+        loosely), and takes that row's draw as its next token."""
         span = [r.drafts + 1 for r in sampled]
         rows = [r for r, n in zip(sampled, span) for _ in range(n)]
         ends = [len(r.tokens) + 1 - n for r, n in zip(sampled, span)]  # position of each request's first draft
         positions = [e + j for e, n in zip(ends, span) for j in range(n)]
         drawn = self._draw(rows, t, positions)
+        unsure = self._unsure(rows, t) if any(r.loose for r in sampled) else None
         pick, accepted, start = [], [], 0
         for r, n in zip(sampled, span):
+            agree = [drawn[start + j] == tok for j, tok in enumerate(r.tokens[len(r.tokens) - r.drafts:])]
             a = 0
-            while a < n - 1 and drawn[start + a] == r.tokens[len(r.tokens) - r.drafts + a]:
+            while a < n - 1 and (agree[a] or (r.loose is not None and unsure is not None
+                                              and _loosely_kept(r.loose, agree, a, unsure[start + a]))):
                 a += 1
             accepted.append(a)
             pick.append(start + a)
@@ -177,6 +189,21 @@ class ModelRunner:
         index = torch.tensor(pick, dtype=torch.int64, device=t.hidden.device)
         out = self._sample(sampled, t.rows(index), [len(r.tokens) - r.drafts + a for r, a in zip(sampled, accepted)])
         return out._replace(accepted=accepted)
+
+    def _unsure(self, rows: list[Req], t: StepTensors) -> list[float]:
+        """Per row, the normalised entropy of its three largest probabilities (LooseVerify), at its
+        temperature (greedy rows at 1), from the step's logits or, on the screened head, its exact top 3
+        of these rows."""
+        if t.logits is not None:
+            top = t.logits.topk(3, dim=-1).values
+        else:
+            screened = self.model.lm_head_screened
+            got = screened.top(t.hidden, 3) if screened is not None else None
+            top = (got.values if got is not None and got.values is not None
+                   else self.model.compute_logits(t.hidden).topk(3, dim=-1).values)
+        temps = torch.tensor([r.params.temperature or 1.0 for r in rows], dtype=torch.float32, device=top.device)
+        logp = torch.log_softmax(top.float() / temps[:, None], dim=-1)
+        return (-(logp.exp() * logp).sum(dim=-1) / math.log(3)).tolist()
 
     def _draw(self, rows: list[Req], t: StepTensors, positions: list[int]) -> list[int]:
         """The token each row samples at its position (logits processing is not applied: a request

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tokenrouter.sampling_params import SamplingParams
 
@@ -19,6 +19,16 @@ class ReqStatus(enum.Enum):
     RUNNING = "running"  # admitted; scheduled at every step until it finishes
     PENDING = "pending"  # at a peer model: skipped by the scheduler, pages and prefix lock kept
     FINISHED = "finished"
+
+
+class LooseVerify(NamedTuple):
+    """FLy's gate (vLLM's `rejection_sample_method: fly`), lossy: a verifier keeps a draft its own
+    sample rejects where it is itself unsure, the normalised entropy of its three largest
+    probabilities (at its temperature, greedy at 1; 0 for one certain token, 1 for three equal ones) above
+    `entropy`, and its own samples agree with the next `window` drafts (as many as follow, at least one)."""
+
+    entropy: float
+    window: int
 
 
 @dataclass(eq=False)  # identity: two requests are never equal
@@ -38,7 +48,8 @@ class Req:
       output (speculative decoding). The next step samples at each of them and at the token before,
       keeps the longest run its own samples agree with and commits it (Engine.accept_drafts); so
       while RUNNING, `extend_len > drafts`, and the step's last chunk holds every verified row. (The
-      proposing model appends its drafts as plain tokens: Engine.append_draft.)
+      proposing model appends its drafts as plain tokens: Engine.append_draft.) `loose`: the rule
+      those drafts are verified by, None (exact) whenever there are none.
     """
 
     rid: str
@@ -64,6 +75,7 @@ class Req:
     num_preemptions: int = 0
     look_ahead: bool = False
     drafts: int = 0
+    loose: LooseVerify | None = None
     pending_since: float = 0.0  # when it last went PENDING (monotonic): after its look-ahead row, which ran here
     grammar: GrammarState | None = None  # this model's matcher of the structured output, if any
     # Prompt logprobs (params.prompt_logprobs): one entry per prompt token from the second on, filled

@@ -7,15 +7,22 @@ alone: the answer is the second model's own, token for token, greedy or sampled 
 
 A request whose logits a rule changes (grammar, logit_bias, min_tokens, penalties) or that asks for
 logprobs is not drafted: the first model prefills it and the second writes every token.
+
+The lossy knob (vLLM's FLy verification, `fly_entropy_threshold` and `fly_window_size`): below 1, the
+verifier also keeps a draft it would reject where it is unsure itself and agrees with the next
+`fly_window_size` drafts (as many as follow; engine/req.py LooseVerify), so a user slides from the
+second model's own answers toward the first's; it needs runs of two drafts or more. 1, the default,
+is exact: everything above holds only there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from tokenrouter.engine.model_runner import StepOutput
-from tokenrouter.engine.req import Req
-from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError
+from tokenrouter.engine.req import LooseVerify, Req
+from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError, unit_interval
 from tokenrouter.routing.peer_req import PeerReq
 
 if TYPE_CHECKING:
@@ -30,17 +37,28 @@ def draft_length(field: str, value: Any) -> int:
     return value
 
 
+def lossy_knob(params: Mapping[str, Any]) -> None:
+    """FLy keeps a rejected draft only on the agreement of drafts after it: a run of one has none."""
+    if params["fly_entropy_threshold"] < 1.0 and params["draft_tokens"] < 2:
+        raise RoutingParamError("fly_entropy_threshold", f"below 1 needs draft_tokens of at least 2 (a kept draft "
+                                f"needs drafts after it that agree), got draft_tokens {params['draft_tokens']}")
+
+
 class Speculative(RoutingAlgorithm):
     name = "speculative"
-    request_params = ("draft_tokens",)
+    request_params = ("draft_tokens", "fly_entropy_threshold", "fly_window_size")
 
-    def __init__(self, models: list[str], draft_tokens: int = 1) -> None:
+    def __init__(self, models: list[str], draft_tokens: int = 1, fly_entropy_threshold: float = 1.0,
+                 fly_window_size: int = 6) -> None:
         super().__init__(models)
         if len(models) != 2:
             raise ValueError(f"speculative: needs two models (drafter, verifier), got {models}")
         self.drafter, self.verifier = models
         try:
-            self.draft_tokens = draft_length("draft_tokens", draft_tokens)
+            self.draft_tokens = self.check_request_value("draft_tokens", draft_tokens)
+            self.fly_entropy_threshold = self.check_request_value("fly_entropy_threshold", fly_entropy_threshold)
+            self.fly_window_size = self.check_request_value("fly_window_size", fly_window_size)
+            lossy_knob(self.request_defaults())
         except RoutingParamError as e:
             raise ValueError(f"speculative: {e}") from None
         self.verified: dict[str, int] = {}  # rid -> how many of its tokens are output (past them: drafts)
@@ -49,7 +67,14 @@ class Speculative(RoutingAlgorithm):
 
     @classmethod
     def check_request_value(cls, field: str, value: Any) -> Any:
+        if field == "fly_entropy_threshold":
+            return unit_interval(field, value)
         return draft_length(field, value)
+
+    def resolve_request(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        params = super().resolve_request(overrides)
+        lossy_knob(params)
+        return params
 
     def bind(self, model: str, engine: Engine) -> None:
         self.eos = frozenset(engine.eos_token_ids)
@@ -60,6 +85,13 @@ class Speculative(RoutingAlgorithm):
 
     def on_finish(self, req: Req) -> None:
         self.verified.pop(req.rid, None)
+
+    def send(self, req: Req, dest: str, known: int) -> PeerReq:
+        peer = super().send(req, dest, known)
+        params = self.params_of[req.rid]
+        if dest == self.verifier and params["fly_entropy_threshold"] < 1.0:
+            peer.loose = LooseVerify(params["fly_entropy_threshold"], params["fly_window_size"])
+        return peer
 
     def receive(self, peer: PeerReq, model: str) -> PeerReq:
         if model == self.drafter and peer.rid in self.verified:

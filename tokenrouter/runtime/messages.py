@@ -84,11 +84,14 @@ class Trace(msgspec.Struct, array_like=True, omit_defaults=True):
       two).
     score, threshold: the router's score at this token's position and the threshold it was compared
       with (None: the algorithm has none). At a position one model handed away without keeping its
-      token, the score is the one that handed it away."""
+      token, the score is the one that handed it away.
+    rejected: the drafts the writer verified and rejected here (speculative decoding): the run this
+      token replaces."""
 
     path: list[str] = []
     score: float | None = None
     threshold: float | None = None
+    rejected: list[int] = []
 
 
 class Handoff(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -291,7 +291,8 @@ class Subserver:
                 return
             try:
                 req = eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
-                                      prompt_len=msg.first.prompt_len, drafts=peer.draft)
+                                      prompt_len=msg.first.prompt_len, drafts=peer.draft,
+                                      loose=peer.loose)
             except ValueError as e:
                 self.io.send(self.io.to_entry, ReqError(self.name, rid, str(e)))
                 return
@@ -305,7 +306,7 @@ class Subserver:
         else:
             state = self.states.live[rid]
             self.pending_seconds += state.end_pending(eng.reqs[rid], time.monotonic())
-            answered = eng.receive(rid, peer.loc, peer.suffix, peer.draft)
+            answered = eng.receive(rid, peer.loc, peer.suffix, peer.draft, peer.loose)
             if answered is not None:
                 self.answered.append(answered)
         state.known[sender] = peer.loc + len(peer.suffix)
@@ -396,6 +397,8 @@ class Subserver:
                 try:  # stop strings, grammar: per-request work that may raise on this request's data
                     eng.append_token(req, tok, now, out, i)
                     trace = self.attribution.token(req.rid, scores, i) if self.attribution.traced else None
+                    if trace is not None and out.rejected is not None:
+                        trace.rejected = out.rejected[i]
                     event = self._event(req, out, i, trace)
                 except Exception:  # noqa: BLE001 - fail this request, not the step
                     logger.exception("%s: committing a token of request %s failed", self.name, req.rid)

@@ -200,7 +200,7 @@ class OpenAIServer:
             out = completion_chunk(rid, created, model_name, i, text, reason, logprobs,
                                    [t.token for t in toks] if body.return_token_ids else None)
             if traced:
-                out["choices"][0]["trace"] = trace_entries(toks)
+                out["choices"][0]["trace"] = trace_entries(toks, self.tokenizer)
             return out
 
         if body.stream:
@@ -244,7 +244,7 @@ class OpenAIServer:
             choice = {"index": i, "delta": delta, "finish_reason": reason,
                       "logprobs": self.logprobs.chat(toks) if logprobs is not None else None}
             if traced:
-                choice["trace"] = trace_entries(toks)
+                choice["trace"] = trace_entries(toks, self.tokenizer)
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
                     "choices": [choice]}
 
@@ -259,7 +259,8 @@ class OpenAIServer:
             choices.append({"index": i, "message": {"role": "assistant", "content": gen.text},
                             "finish_reason": finish_reason(gen.done),
                             "logprobs": self.logprobs.chat(gen.tokens) if logprobs is not None else None,
-                            "routing": routing(gen), **({"trace": trace_entries(gen.tokens)} if traced else {})})
+                            "routing": routing(gen),
+                            **({"trace": trace_entries(gen.tokens, self.tokenizer)} if traced else {})})
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": model_name,
             "choices": choices, "usage": usage(gens, body.n), "routing": total_routing(gens)})

@@ -109,17 +109,20 @@ def routing(gen: Generation, writers: bool = False) -> dict[str, Any]:
     return out
 
 
-def trace_entries(tokens: list[TokenOut]) -> list[dict[str, Any]]:
+def trace_entries(tokens: list[TokenOut], tokenizer: Any) -> list[dict[str, Any]]:
     """The per-token trace of a traced request's tokens (the choice's `trace` field): each token's id,
     the text released with it, its writer, the models the request passed through just before it
-    (`handoff`, ending with the writer; [] for none) and the router's score and threshold there."""
+    (`handoff`, ending with the writer; [] for none), the router's score and threshold there, and the
+    drafts its writer rejected there (`rejected`, ids, and `rejected_text`; speculative decoding)."""
     out = []
     for t in tokens:
         tr = t.trace
+        rejected = list(tr.rejected) if tr is not None else []
         out.append({"token": t.token, "text": t.text, "model": t.model,
                     "handoff": list(tr.path) if tr is not None else [],
                     "score": tr.score if tr is not None else None,
-                    "threshold": tr.threshold if tr is not None else None})
+                    "threshold": tr.threshold if tr is not None else None,
+                    "rejected": rejected, "rejected_text": tokenizer.decode(rejected) if rejected else ""})
     return out
 
 

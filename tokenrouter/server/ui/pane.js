@@ -33,6 +33,8 @@ export class Pane {
     this.tip = tip;
     this.counts = Object.fromEntries(models.map((m) => [m, 0]));
     this.handoffs = 0;
+    this.rejectedRuns = 0;
+    this.rejectedTokens = 0;
     this.n = 0;
     this.started = performance.now();
     this.firstAt = null;
@@ -89,7 +91,7 @@ export class Pane {
     return `w${i < 0 ? "x" : Math.min(i, 5)}`;
   }
 
-  // One chunk's trace entries: {token, text, model, handoff, score, threshold}.
+  // One chunk's trace entries: {token, text, model, handoff, score, threshold, rejected, rejected_text}.
   addTokens(entries) {
     for (const e of entries) this.addToken(e);
     this.refresh();
@@ -101,6 +103,7 @@ export class Pane {
     this.lastAt = now;
     const path = e.handoff || [];
     for (let k = 1; k < path.length; k++) this.addMarker(path[k - 1], path[k]);
+    if (e.rejected && e.rejected.length) this.addRejected(e);
     const span = el("span", { class: `tok ${this.writerClass(e.model)}`, tabindex: "-1", "data-model": e.model,
       "data-step": String(this.n), "data-token": String(e.token) });
     if (e.score !== null && e.score !== undefined) span.dataset.score = String(e.score);
@@ -113,6 +116,18 @@ export class Pane {
     this.counts[e.model] = (this.counts[e.model] || 0) + 1;
     this.addBar(e);
     this.n += 1;
+  }
+
+  // A run of drafts the writer of `e` rejected at its position (speculative decoding): shown struck
+  // through before the token that replaced it, never counted as output.
+  addRejected(e) {
+    if (!this.statNodes.rejected) this.addStat("rejected", "drafts rejected (runs)", "");
+    this.rejectedRuns += 1;
+    this.rejectedTokens += e.rejected.length;
+    this.statNodes.rejected.textContent = `${this.rejectedTokens} (${this.rejectedRuns})`;
+    const n = e.rejected.length;
+    this.answer.append(el("del", { class: "rejected", "data-model": e.model, "data-tokens": e.rejected.join(" "),
+      title: `${n} draft${n === 1 ? "" : "s"} rejected by ${e.model}` }, e.rejected_text));
   }
 
   addMarker(from, to) {
