@@ -84,7 +84,7 @@ def test_projected_embedding_keeps_the_top_directions():
 def test_operating_point_settings_reselect_without_retraining():
     from tokenrouter.training.prepare import PrepareSettings, answered_problems, selection_problems, split_answers
 
-    base, other = PrepareSettings(), PrepareSettings(selection_problems=32, max_share=0.3)
+    base, other = PrepareSettings(), PrepareSettings(selection_problems=32, max_share=0.5)
     for kind in ("citer", "r2r", "co_llm"):
         assert base.router_key(kind) == other.router_key(kind) and base.key() != other.key()
     # the routers read the large model's answers: more answers retrain them

@@ -58,20 +58,23 @@ def router_stage(kind: str) -> str:
 
 
 # Seconds each stage took on the project's 2-core machine: the full preparation on the quiet machine
-# (docs/QUALITY.md, 2026-12-04), the quick one as `serve` ran it in the background (2026-12-05). The
-# ETA a stage reports is the stages left at these figures, stretched by how the stages already run
-# compared with theirs, so it follows a slower or busier machine as the preparation goes.
-FULL_STAGE_SECONDS = {STAGE_CONVERT: 18.0, STAGE_ANSWERS: 153.0, STAGE_STUDENT: 403.0, router_stage("citer"): 126.0,
-                      router_stage("r2r"): 708.0, router_stage("co_llm"): 119.0, STAGE_POINT: 210.0}
+# (the conversion and the answers on 2026-12-04, the rest on 2026-12-06 with the 640-step student),
+# the quick one as `serve` ran it in the background (2026-12-05). The ETA a stage reports is the
+# stages left at these figures, stretched by how the stages already run compared with theirs, so it
+# follows a slower or busier machine as the preparation goes.
+FULL_STAGE_SECONDS = {STAGE_CONVERT: 18.0, STAGE_ANSWERS: 153.0, STAGE_STUDENT: 650.0, router_stage("citer"): 87.0,
+                      router_stage("r2r"): 286.0, router_stage("co_llm"): 77.0, STAGE_POINT: 186.0}
 QUICK_STAGE_SECONDS = {STAGE_CONVERT: 18.0, STAGE_ANSWERS: 17.0, STAGE_STUDENT: 3.0, router_stage("citer"): 2.0,
                        router_stage("r2r"): 14.0, router_stage("co_llm"): 2.0, STAGE_POINT: 15.0}
 
 
 @dataclass
 class PrepareSettings:
-    # The student reads 480 sequences of CHAMP solutions and 160 packed from the large model's answers.
+    # The student reads 480 sequences of CHAMP solutions and 160 packed from the large model's answers,
+    # 640 steps over them: four times 160's steps agree 79% against 54% at the same decode cost
+    # (docs/QUALITY.md, "The student: recipes side by side").
     student: StudentSettings = field(default_factory=lambda: StudentSettings(
-        train_sequences=480, task_sequences=160, steps=160))
+        train_sequences=480, task_sequences=160, steps=640))
     # The large model's answers to training problems (arith.training_problems and the CHAMP training
     # split): the student distils the first ones of each task, the routers are labelled on the last
     # router_arith_answers / router_champ_answers.
@@ -92,7 +95,7 @@ class PrepareSettings:
     selection_problems: int = 64
     selection_offsets: tuple[float, ...] = (-3.0, -1.5, 0.0, 1.5, 3.0)
     selection_refinements: int = 3
-    max_share: float = 0.4
+    max_share: float = 0.3
     selected_kinds: tuple[str, ...] = ROUTER_KINDS  # routers measured; any other serves its router.json threshold
     # Caps every task's output length (the large model's answers, the R2R labels' continuations, the
     # operating point's answers) below the task's own (evaluation/tasks.py); None: the task's own. For
