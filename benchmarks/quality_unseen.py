@@ -27,9 +27,9 @@ answers where the small model's greedy token departs from SmolLM2's.
 
 Writes OUT/PART_MAXTOKENS.json.
 
-    .venv/bin/python benchmarks/quality_unseen.py --part validation --max-tokens 64 --out docs/eval/unseen
-    .venv/bin/python benchmarks/quality_unseen.py --part test --max-tokens 64 --thresholds 0.4898 0.6 \
-        --reference 0.6 --out docs/eval/unseen
+    .venv/bin/python benchmarks/quality_unseen.py --part validation --max-tokens 64 --fly 0.3 0.6 --out docs/eval/unseen
+    .venv/bin/python benchmarks/quality_unseen.py --part test --max-tokens 64 --thresholds 0.1314 0.2913 \
+        --reference 0.1314 --fly 0.3 --out docs/eval/unseen
 """
 
 from __future__ import annotations
