@@ -21,7 +21,7 @@ from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Join, Ready, ReqError, Shutdown, Topology, encode, receive_waiting
 from tokenrouter.runtime.remote.join_desk import JoinDesk, JoinedSubserver
 from tokenrouter.runtime.remote.remote_subserver import RemoteSubserver
-from tokenrouter.runtime.subserver_process import subserver_main
+from tokenrouter.runtime.subserver.process import subserver_main
 from tokenrouter.runtime.transport_security import secure_client, secure_server, start_authenticator
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,8 @@
 """A subserver: one model's engine in its own process, with the decode loop and the inter-model loop.
 
 Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out and in
-(drained between steps) through the sockets of runtime/subserver_sockets.py; each live request's
-hand-off state is a RequestState (runtime/request_state.py). The scheduler and engine know nothing of
+(drained between steps) through the sockets of runtime/subserver/sockets.py; each live request's
+hand-off state is a RequestState (runtime/subserver/request_state.py). The scheduler and engine know nothing of
 sockets; this file is the only place that joins them.
 """
 
@@ -27,8 +27,6 @@ from tokenrouter.engine.step_board import CoreShare, StepBoard
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.models import quantized_linear
 from tokenrouter.routing import STAY, PeerReq, Route, make_algorithm
-from tokenrouter.runtime.attribution import Attribution
-from tokenrouter.runtime.containment import checked_route, route_each
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import (
     STEP_LATENCY_BUCKETS,
@@ -52,8 +50,10 @@ from tokenrouter.runtime.messages import (
     Trace,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.request_state import RequestState, RequestStates
-from tokenrouter.runtime.subserver_sockets import SubserverSockets
+from tokenrouter.runtime.subserver.attribution import Attribution
+from tokenrouter.runtime.subserver.containment import checked_route, route_each
+from tokenrouter.runtime.subserver.request_state import RequestState, RequestStates
+from tokenrouter.runtime.subserver.sockets import SubserverSockets
 
 logger = logging.getLogger(__name__)
 
