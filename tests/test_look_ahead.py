@@ -29,10 +29,10 @@ from tokenrouter.engine.engine import Engine, EngineStats, StepFailed
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.step_trace import ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
-from tokenrouter.runtime.admission import AdmittedPlan
+from tokenrouter.runtime.entry.admission import AdmittedPlan
+from tokenrouter.runtime.entry.reassembly import Reassembly
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Abort, Tokens
-from tokenrouter.runtime.reassembly import Reassembly
 from tokenrouter.runtime.subserver import subserver
 from tokenrouter.sampling_params import SamplingParams, StructuredOutput
 

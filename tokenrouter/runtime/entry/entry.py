@@ -20,10 +20,14 @@ from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
-from tokenrouter.runtime.adaptation import Adaptation
-from tokenrouter.runtime.admission import AdmissionQueue, AdmissionRules, AdmittedPlan
+from tokenrouter.runtime.entry.adaptation import Adaptation
+from tokenrouter.runtime.entry.admission import AdmissionQueue, AdmissionRules, AdmittedPlan
+from tokenrouter.runtime.entry.launch_planner import make_planner
+from tokenrouter.runtime.entry.placement import plan_placement
+from tokenrouter.runtime.entry.reassembly import Done, Reassembly, TokenOut
+from tokenrouter.runtime.entry.remote_subserver import RemoteSubserver
+from tokenrouter.runtime.entry.subserver_pool import SubserverDied, SubserverPool
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.launch_planner import make_planner
 from tokenrouter.runtime.messages import (
     Abort,
     Active,
@@ -38,10 +42,6 @@ from tokenrouter.runtime.messages import (
     Tokens,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.placement import plan_placement
-from tokenrouter.runtime.reassembly import Done, Reassembly, TokenOut
-from tokenrouter.runtime.remote.remote_subserver import RemoteSubserver
-from tokenrouter.runtime.subserver_pool import SubserverDied, SubserverPool
 from tokenrouter.sampling_params import SamplingParams
 
 __all__ = ["Entry", "EntryReq", "SubserverDied"]

@@ -1,9 +1,11 @@
-"""Subservers as Ray actors on an existing Ray cluster (`start: ray`; `pip install tokenrouter[ray]`).
+"""Subservers as Ray actors on an existing Ray cluster (`start: ray`; `pip install tokenrouter[ray]`): the
+entry's side.
 
 Each actor asks Ray for the resources its model needs (a GPU per tensor-parallel rank on CUDA, a CPU
-per core or thread otherwise), binds its inbox on its node's IP and then runs like any subserver: it
-reports Ready to the entry, which sends Topology as usual. The entry's process is the actors' owner,
-so Ray ends them when it exits, however it exits (no orphans).
+per core or thread otherwise), binds its inbox on its node's IP and then runs like any subserver
+(SubserverActor, runtime/subserver/ray_actor.py): it reports Ready to the entry, which sends Topology
+as usual. The entry's process is the actors' owner, so Ray ends them when it exits, however it exits
+(no orphans).
 """
 
 from __future__ import annotations
