@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,6 +111,17 @@ class Subserver:
         self.index = group.names.index(spec.name)
         self.drain_seconds = 0.0  # handling inbox messages since the last step record
         self.overlap_seconds = 0.0  # work done while the last step ran
+        # Each inbox message's handler, by the message's type (no message type subclasses another).
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            AddReq: self._on_add_req,
+            Peer: self._on_peer,
+            Abort: self._on_abort,
+            Active: self._on_active,
+            SetThresholds: self._on_set_thresholds,
+            Topology: self._on_topology,
+            StatsQuery: self._on_stats_query,
+            Shutdown: self._on_shutdown,
+        }
 
     def _in_flight(self) -> None:
         """Run by the executor while a step is in flight: it touches neither the batch nor the scheduler."""
@@ -184,45 +196,56 @@ class Subserver:
             self.drain_seconds += time.perf_counter() - t0
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, AddReq):
+        handler = self._handlers.get(type(msg))
+        if handler is not None:  # a message of another type is ignored
+            handler(msg)
+
+    def _on_add_req(self, msg: AddReq) -> None:
+        try:
+            req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
+        except ValueError as e:
+            self.io.send(self.io.to_entry, ReqError(self.name, msg.rid, str(e)))
+            return
+        self.states.start(msg.rid, RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None,
+                                                alone=msg.alone))
+        if msg.trace:
+            self.attribution.start(msg.rid, scored=not msg.alone)
+        self._start(req, msg.routing)
+
+    def _on_peer(self, msg: Peer) -> None:
+        for item in msg.items:
             try:
-                req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
-            except ValueError as e:
-                self.io.send(self.io.to_entry, ReqError(self.name, msg.rid, str(e)))
-                return
-            self.states.start(msg.rid, RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None,
-                                                    alone=msg.alone))
-            if msg.trace:
-                self.attribution.start(msg.rid, scored=not msg.alone)
-            self._start(req, msg.routing)
-        elif isinstance(msg, Peer):
-            for item in msg.items:
-                try:
-                    self._receive(msg.sender, item)
-                except Exception:  # noqa: BLE001 - one request's hand-off must not stop the others
-                    logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
-                    self._fail(item.req.rid)
-        elif isinstance(msg, Abort):
-            self.states.abort(msg.rid, time.monotonic())
-            if msg.rid in self.engine.reqs:
-                self.aborted_requests += 1
-            self._drop(msg.rid)
-        elif isinstance(msg, Active):
-            self.launch.group_active = msg.n
-        elif isinstance(msg, SetThresholds):
-            if isinstance(self.launch, ThresholdLaunch):
-                self.launch.thresholds = Thresholds(msg.table)
-            else:
-                active = self.launch.group_active
-                self.launch = ThresholdLaunch(Thresholds(msg.table))
-                self.launch.group_active = active
-                self.engine.scheduler.launch = self.launch
-        elif isinstance(msg, Topology):
-            self.io.connect_peers(msg.addresses)
-        elif isinstance(msg, StatsQuery):
-            self.io.send(self.io.to_entry, self.stats())
-        elif isinstance(msg, Shutdown):
-            self.running = False
+                self._receive(msg.sender, item)
+            except Exception:  # noqa: BLE001 - one request's hand-off must not stop the others
+                logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
+                self._fail(item.req.rid)
+
+    def _on_abort(self, msg: Abort) -> None:
+        self.states.abort(msg.rid, time.monotonic())
+        if msg.rid in self.engine.reqs:
+            self.aborted_requests += 1
+        self._drop(msg.rid)
+
+    def _on_active(self, msg: Active) -> None:
+        self.launch.group_active = msg.n
+
+    def _on_set_thresholds(self, msg: SetThresholds) -> None:
+        if isinstance(self.launch, ThresholdLaunch):
+            self.launch.thresholds = Thresholds(msg.table)
+        else:
+            active = self.launch.group_active
+            self.launch = ThresholdLaunch(Thresholds(msg.table))
+            self.launch.group_active = active
+            self.engine.scheduler.launch = self.launch
+
+    def _on_topology(self, msg: Topology) -> None:
+        self.io.connect_peers(msg.addresses)
+
+    def _on_stats_query(self, msg: StatsQuery) -> None:
+        self.io.send(self.io.to_entry, self.stats())
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        self.running = False
 
     def _fail(self, rid: str, stage: str = "step", message: str | None = None) -> None:
         """End a request this model failed on: drop it here, count it under `stage` and tell the entry
