@@ -38,7 +38,7 @@ from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Overheads, best_thresholds, throughput_curve, zero_wait_bound
 from tokenrouter.routing import make_algorithm
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import SetThresholds
 

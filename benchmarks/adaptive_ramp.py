@@ -46,7 +46,7 @@ from typing import Any
 import httpx
 
 from tokenrouter.bench.server_process import ServerProcess
-from tokenrouter.runtime.tpot_window import p99
+from tokenrouter.runtime.entry.tpot_window import p99
 from tokenrouter.training import arith
 from tokenrouter.training.evaluation.tasks import task
 

@@ -37,7 +37,7 @@ from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import throughput_curve
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.messages import SetThresholds
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -33,7 +33,7 @@ from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import throughput_curve, zero_wait_bound
 from tokenrouter.planner.sim import simulate
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ablation import closed_loop, group, latencies, load_overheads, prompts_for  # noqa: E402

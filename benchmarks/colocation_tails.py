@@ -29,7 +29,7 @@ from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import throughput_curve
 from tokenrouter.planner.sim import simulate
 from tokenrouter.planner.slo import slo_threshold
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ablation import closed_loop, group, latencies, load_overheads, prompts_for  # noqa: E402

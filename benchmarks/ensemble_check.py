@@ -28,7 +28,7 @@ from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner.group_sim import best_group_thresholds, simulate_group
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import SetThresholds
 

@@ -28,7 +28,7 @@ import torch
 
 from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.models.random_model import build_random_model
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.sampling_params import SamplingParams
 

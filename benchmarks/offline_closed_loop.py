@@ -15,7 +15,7 @@ import torch
 from tokenrouter.bench.offline import run_closed_loop
 from tokenrouter.bench.workloads import build_prompts
 from tokenrouter.engine.tokenizer import load_tokenizer
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.sampling_params import SamplingParams
 

@@ -37,7 +37,7 @@ from tokenrouter.bench.workloads import build_prompts
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.sim import LEGS
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import SetThresholds
 

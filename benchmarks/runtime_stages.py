@@ -46,9 +46,9 @@ import torch
 from tokenrouter import SamplingParams
 from tokenrouter.bench.trace_reader import read_stages
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
+from tokenrouter.runtime.entry.reassembly import Done
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.reassembly import Done
 
 sys.path.insert(0, os.path.dirname(__file__))
 from paper_compare import ROOT, config_folder  # noqa: E402

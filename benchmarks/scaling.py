@@ -19,7 +19,7 @@ from tokenrouter import SamplingParams
 from tokenrouter.engine.latency_model import LatencyProfile
 from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import best_thresholds, zero_wait_bound
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ablation import closed_loop, group, run_sync  # noqa: E402

@@ -47,7 +47,7 @@ from tokenrouter.models.random_model import build_random_model
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs
 from tokenrouter.planner.sim import simulate
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -63,7 +63,7 @@ from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner import Overheads, throughput_curve
 from tokenrouter.planner.gaps import fit_runs
 from tokenrouter.planner.sim import LEGS, simulate
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import SetThresholds
 from tokenrouter.training import arith, champ

@@ -46,7 +46,7 @@ from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.step_trace import ENV as TRACE_ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -17,7 +17,7 @@ from tokenrouter.engine.req import Req
 from tokenrouter.routing.bernoulli import hands_off
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Abort, AddReq, Finished, Handoff, Peer, Tokens, Topology, decode, encode
-from tokenrouter.runtime.subserver import Subserver
+from tokenrouter.runtime.subserver.subserver import Subserver
 from tokenrouter.sampling_params import SamplingParams
 
 PAGE = 4

@@ -1,4 +1,4 @@
-"""Load adaptation (runtime/adaptation.py, planner/knob_controller.py, runtime/tpot_window.py): on a
+"""Load adaptation (runtime/entry/adaptation.py, planner/knob_controller.py, runtime/entry/tpot_window.py): on a
 synthetic clock with synthetic token timings, the share knob walks toward the floor under overload,
 returns to the served point when the load goes, never passes either bound, and leaves the requests
 that do not adapt alone; bad settings are refused naming their field (or flag, tests/test_adaptation_serve.py)."""
@@ -15,10 +15,10 @@ from tokenrouter.planner.knob_controller import MIN_DECREASE, STEP_BACK, KnobCon
 from tokenrouter.routing import make_algorithm
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError
 from tokenrouter.runtime.adapt_config import AdaptConfig, AdaptConfigError, default_floor, knob_range
-from tokenrouter.runtime.adaptation import AdaptState, Adaptation
-from tokenrouter.runtime.admission import AdmissionRules, AdmittedPlan, PoolSize
+from tokenrouter.runtime.entry.adaptation import AdaptState, Adaptation
+from tokenrouter.runtime.entry.admission import AdmissionRules, AdmittedPlan, PoolSize
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.tpot_window import TpotWindow, p99
+from tokenrouter.runtime.entry.tpot_window import TpotWindow, p99
 from tokenrouter.sampling_params import SamplingParams
 
 TARGET_MS, WINDOW = 50.0, 10.0

@@ -14,7 +14,7 @@ from server_utils import ServerProcess, pair_group_yaml
 
 from tokenrouter import cli
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.runtime.adaptation import AdaptState
+from tokenrouter.runtime.entry.adaptation import AdaptState
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.server.metrics import ServerMetrics
 

@@ -16,7 +16,7 @@ from tokenrouter import SamplingParams
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.routing import make_algorithm
 from tokenrouter.routing.routers import CiterRouter, DeferralHead, R2RRouter, model_fingerprint, save_router
-from tokenrouter.runtime.entry import SubserverDied
+from tokenrouter.runtime.entry.entry import SubserverDied
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 

@@ -8,9 +8,9 @@ import pytest
 
 from tokenrouter.engine.request_validation import InvalidRequest
 from tokenrouter.engine.stop_strings import find_stop, held_back
-from tokenrouter.runtime.admission import AdmissionQueue, AdmissionRules, PoolSize
+from tokenrouter.runtime.entry.admission import AdmissionQueue, AdmissionRules, PoolSize
+from tokenrouter.runtime.entry.reassembly import Done, Reassembly, TokenOut
 from tokenrouter.runtime.messages import TokenEvent
-from tokenrouter.runtime.reassembly import Done, Reassembly, TokenOut
 from tokenrouter.sampling_params import SamplingParams
 
 RULES = AdmissionRules(context_len=32, vocab_size=100,

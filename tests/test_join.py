@@ -14,11 +14,11 @@ import yaml
 from tokenrouter import SamplingParams
 from tokenrouter.bench.server_process import ManagedProcess, alive, free_port
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.runtime.entry import SubserverDied
+from tokenrouter.runtime.entry.entry import SubserverDied
+from tokenrouter.runtime.entry.join_desk import JoinDesk
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Join
 from tokenrouter.runtime.model_identity import ModelIdentity
-from tokenrouter.runtime.remote.join_desk import JoinDesk
 
 SECRET = "correct horse battery staple"
 

@@ -134,7 +134,7 @@ def test_closed_loop_steady_window_and_step_trace(model_paths, tmp_path, monkeyp
     from tokenrouter.bench.offline import run_closed_loop
     from tokenrouter.bench.trace_reader import read_trace, runtime_costs
     from tokenrouter.engine.step_trace import ENV
-    from tokenrouter.runtime.entry import Entry
+    from tokenrouter.runtime.entry.entry import Entry
 
     monkeypatch.setenv(ENV, str(tmp_path))
     entry = Entry(GroupConfig.from_dict(group(model_paths["llama"], p=0.2)))

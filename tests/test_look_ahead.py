@@ -1,6 +1,6 @@
 """Look-ahead: a model that hands a request back with its own token runs that token in its next step and
 sets the next sample aside, so the request's immediate return is answered without a step
-(engine.py Engine.hand_off / receive, scheduler.py, runtime/subserver.py).
+(engine.py Engine.hand_off / receive, scheduler.py, runtime/subserver/subserver.py).
 
 The promises: the row rides on a step launched for other work and never launches one; a return with
 the tokens unchanged gets exactly the token the ordinary path would sample; any other return
@@ -29,11 +29,11 @@ from tokenrouter.engine.engine import Engine, EngineStats, StepFailed
 from tokenrouter.engine.req import Req, ReqStatus
 from tokenrouter.engine.step_trace import ENV
 from tokenrouter.engine.tokenizer import load_tokenizer
-from tokenrouter.runtime import subserver
-from tokenrouter.runtime.admission import AdmittedPlan
+from tokenrouter.runtime.entry.admission import AdmittedPlan
+from tokenrouter.runtime.entry.reassembly import Reassembly
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Abort, Tokens
-from tokenrouter.runtime.reassembly import Reassembly
+from tokenrouter.runtime.subserver import subserver
 from tokenrouter.sampling_params import SamplingParams, StructuredOutput
 
 

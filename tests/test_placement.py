@@ -9,8 +9,14 @@ import pytest
 
 from tokenrouter.models.kv_pool import KVPool
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.entry.placement import (
+    CUDA_CONTEXT_BYTES,
+    ModelNeeds,
+    parameter_count,
+    plan_placement,
+    split_memory,
+)
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.placement import CUDA_CONTEXT_BYTES, ModelNeeds, parameter_count, plan_placement, split_memory
 
 GIB = 1 << 30
 
@@ -89,9 +95,10 @@ def test_plan_only_where_asked(pair_paths):
 
 
 def test_start_up_prints_the_split(pair_paths, caplog, monkeypatch):
-    monkeypatch.setattr("tokenrouter.runtime.placement.device_memory", lambda d: GIB)  # not this machine's free memory
+    # not this machine's free memory
+    monkeypatch.setattr("tokenrouter.runtime.entry.placement.device_memory", lambda d: GIB)
     g = group(pair_paths, {"cores": [0], "threads": 1}, {"cores": [0], "threads": 2}, memory_fraction=0.02)
-    with caplog.at_level(logging.INFO, logger="tokenrouter.runtime.entry"), RoutedLLM(g) as llm:
+    with caplog.at_level(logging.INFO, logger="tokenrouter.runtime.entry.entry"), RoutedLLM(g) as llm:
         info = llm.entry.info
         planned = llm.entry.group
     # Each subserver process applied its own spec : pinned to core 0, its torch threads.

@@ -20,8 +20,8 @@ from server_utils import ServerProcess
 from tokenrouter import SamplingParams
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.entry.ray_subserver import connect, resources
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec, RayConfig
-from tokenrouter.runtime.remote.ray_actor import connect, resources
 
 SECRET = "correct horse battery staple"
 

@@ -12,8 +12,8 @@ from engine_utils import prompts_of
 from routing_utils import build_pair, find_seed, group_dict
 
 from tokenrouter.routed_llm import RoutedLLM
-from tokenrouter.runtime.entry import SubserverDied
-from tokenrouter.runtime.reassembly import TokenOut
+from tokenrouter.runtime.entry.entry import SubserverDied
+from tokenrouter.runtime.entry.reassembly import TokenOut
 from tokenrouter.sampling_params import SamplingParams
 
 P = 0.3

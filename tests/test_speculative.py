@@ -23,8 +23,8 @@ from tokenrouter.engine.req import LooseVerify, Req
 from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.routing.algorithm import RoutingParamError
 from tokenrouter.routing.speculative import Speculative
+from tokenrouter.runtime.entry.reassembly import TokenOut
 from tokenrouter.runtime.messages import Tokens
-from tokenrouter.runtime.reassembly import TokenOut
 from tokenrouter.sampling_params import SamplingParams
 from tokenrouter.server.generation import trace_entries
 from tokenrouter.server.metrics import ServerMetrics

@@ -86,7 +86,7 @@ def test_only_a_model_alone_on_its_host_shares_cores():
     """A routed pair's co-located models keep one thread each; a model served alone shares, and so
     does the one model spawned here beside a joined peer; a pinned or switched-off model does not."""
     from tokenrouter.runtime.group_config import GroupConfig
-    from tokenrouter.runtime.subserver import shares_cores
+    from tokenrouter.runtime.subserver.subserver import shares_cores
 
     def group(models: list[dict], **launch) -> GroupConfig:
         return GroupConfig.from_dict({"models": models, "launch": launch})

@@ -238,7 +238,7 @@ def test_routed_pair_with_the_large_model_at_tp2_is_token_exact(pair_paths, hf_p
 
 
 def test_routed_bad_tp_size_fails_clearly(pair_paths):
-    from tokenrouter.runtime.entry import SubserverDied
+    from tokenrouter.runtime.entry.entry import SubserverDied
 
     group = {"models": [{"name": "large", "path": str(pair_paths["large"]), "kv_cache_tokens": 256,
                          "page_size": 4, "tp_size": 3}]}

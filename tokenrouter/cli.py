@@ -555,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tokenrouter.bench.cli import add_bench_parser
     from tokenrouter.planner.cli import add_plan_parser
-    from tokenrouter.runtime.remote.joiner import add_subserver_parser
+    from tokenrouter.runtime.subserver.joiner import add_subserver_parser
     from tokenrouter.training.cli import add_train_router_parser
     from tokenrouter.training.evaluation.cli import add_prepare_parsers
 

@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenrouter.runtime.entry import Entry, EntryReq
-from tokenrouter.runtime.reassembly import Done, TokenOut
+from tokenrouter.runtime.entry.entry import Entry, EntryReq
+from tokenrouter.runtime.entry.reassembly import Done, TokenOut
 from tokenrouter.sampling_params import SamplingParams
 
 

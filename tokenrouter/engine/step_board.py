@@ -11,7 +11,7 @@ Why core sharing: a model serving alone on a CPU host leaves its other cores idl
 rule: every core for a step of at most `max_rows` rows (the quantized kernel's, where more threads
 pay: models/quantized_linear.py) while no other model's slot is set; one thread otherwise (large
 steps come with load, when the server's other processes have work). The runtime applies it to a
-model alone on its host only (runtime/subserver.py): beside a co-located routed peer it measured
+model alone on its host only (runtime/subserver/subserver.py): beside a co-located routed peer it measured
 slower at 2-8 concurrent requests (the default pair at 8: 166 tok/s against 219-233 with one thread
 each; at 1: 70.8-72.9 against 65.0-72.5), because after each step the second thread's OpenMP spin-wait keeps
 a core the peer's step needs (shorter spins, GOMP_SPINCOUNT=10000, gave 195; a passive wait made

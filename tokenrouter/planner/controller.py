@@ -5,7 +5,7 @@ The small model launches eagerly and only the large model waits for B requests, 
 deadlock free for any B <= n (see launch_policy). Re-planning runs in a worker thread so the entry
 loop never blocks on the solver.
 
-With `overheads` (the per-token costs of each model; tokenrouter/runtime/launch_planner.py gives the
+With `overheads` (the per-token costs of each model; tokenrouter/runtime/entry/launch_planner.py gives the
 step latencies' prefill slopes) the controller re-plans with the continuous-time chain and the
 catch-up it measures, once it has seen enough visits: the tokens the small model wrote between two
 of the large model's visits, counted only over runs that did reach the large model. Runs cut by a

@@ -7,7 +7,7 @@ group's algorithm (RoutingAlgorithm.request_params).
 - `model` (a model name): that model alone writes the whole request; no routing decision is taken
   for it (the way to compare an answer with each model's own).
 - `adapt` (bool, default true): whether the server's load adaptation (`--target-tpot-ms`,
-  runtime/adaptation.py) may serve the request at a moved value of the algorithm's share knob; false
+  runtime/entry/adaptation.py) may serve the request at a moved value of the algorithm's share knob; false
   keeps it at the group's served point (or at its own value of the knob, which is never moved).
 """
 

@@ -264,7 +264,7 @@ class GroupConfig:
     join_timeout: float = 600.0  # seconds to wait for every "join" model to join
     ray: RayConfig = field(default_factory=RayConfig)
     # Share of each device's memory (host memory on CPU) that the models placed on it may use for
-    # weights and KV together; the entry splits it between their KV pools (placement.py). None: each
+    # weights and KV together; the entry splits it between their KV pools (entry/placement.py). None: each
     # engine sizes its own pool, except that co-located CUDA models are planned with 0.9.
     memory_fraction: float | None = None
     # Router folders by kind ({citer: PATH, r2r: PATH, co_llm: PATH}): `--algorithm KIND` on the

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tokenrouter.runtime.adaptation import AdaptState
+from tokenrouter.runtime.entry.adaptation import AdaptState
 from tokenrouter.version import __version__
 from tokenrouter.server.async_entry import TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts

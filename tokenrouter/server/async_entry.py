@@ -17,11 +17,11 @@ from typing import Any
 
 import zmq
 
-from tokenrouter.runtime.admission import AdmittedPlan
-from tokenrouter.runtime.entry import Entry, SubserverDied
+from tokenrouter.runtime.entry.admission import AdmittedPlan
+from tokenrouter.runtime.entry.entry import Entry, SubserverDied
+from tokenrouter.runtime.entry.reassembly import Done, TokenOut
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats, Wake, encode
-from tokenrouter.runtime.reassembly import Done, TokenOut
 from tokenrouter.runtime.transport_security import secure_client
 from tokenrouter.sampling_params import SamplingParams
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from tokenrouter.runtime.adaptation import AdaptState
+from tokenrouter.runtime.entry.adaptation import AdaptState
 from tokenrouter.runtime.messages import STEP_LATENCY_BUCKETS, Stats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -116,7 +116,7 @@ class _EngineCollector(Collector):
 
 
 class _AdaptCollector(Collector):
-    """Load adaptation's live figures (runtime/adaptation.py), when the server adapts: the share knob's
+    """Load adaptation's live figures (runtime/entry/adaptation.py), when the server adapts: the share knob's
     value now and its bounds (labelled with the algorithm and the knob's name), the TPOT target, the
     last window's p99 TPOT of adapting requests and each member's share of their tokens."""
 

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenrouter.runtime.admission import AdmittedPlan
-from tokenrouter.runtime.entry import Entry
+from tokenrouter.runtime.entry.admission import AdmittedPlan
+from tokenrouter.runtime.entry.entry import Entry
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats
 from tokenrouter.sampling_params import SamplingParams

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from tokenrouter.engine.stop_strings import held_back, output_stop
 from tokenrouter.engine.tokenizer import IncrementalDetokenizer
-from tokenrouter.runtime.admission import AdmittedPlan
+from tokenrouter.runtime.entry.admission import AdmittedPlan
 from tokenrouter.runtime.messages import TokenEvent, Trace
 
 

@@ -104,7 +104,7 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 
 
 def cmd_subserver(args: argparse.Namespace) -> int:
-    from tokenrouter.runtime.subserver_process import configure_process, serve_subserver
+    from tokenrouter.runtime.subserver.process import configure_process, serve_subserver
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     entry, entry_host = entry_endpoint(args.join)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +21,14 @@ from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.engine.tokenizer import load_tokenizer
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.routing import make_algorithm
-from tokenrouter.runtime.adaptation import Adaptation
-from tokenrouter.runtime.admission import AdmissionQueue, AdmissionRules, AdmittedPlan
+from tokenrouter.runtime.entry.adaptation import Adaptation
+from tokenrouter.runtime.entry.admission import AdmissionQueue, AdmissionRules, AdmittedPlan
+from tokenrouter.runtime.entry.launch_planner import make_planner
+from tokenrouter.runtime.entry.placement import plan_placement
+from tokenrouter.runtime.entry.reassembly import Done, Reassembly, TokenOut
+from tokenrouter.runtime.entry.remote_subserver import RemoteSubserver
+from tokenrouter.runtime.entry.subserver_pool import SubserverDied, SubserverPool
 from tokenrouter.runtime.group_config import GroupConfig
-from tokenrouter.runtime.launch_planner import make_planner
 from tokenrouter.runtime.messages import (
     Abort,
     Active,
@@ -38,10 +43,6 @@ from tokenrouter.runtime.messages import (
     Tokens,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.placement import plan_placement
-from tokenrouter.runtime.reassembly import Done, Reassembly, TokenOut
-from tokenrouter.runtime.remote.remote_subserver import RemoteSubserver
-from tokenrouter.runtime.subserver_pool import SubserverDied, SubserverPool
 from tokenrouter.sampling_params import SamplingParams
 
 __all__ = ["Entry", "EntryReq", "SubserverDied"]
@@ -100,6 +101,14 @@ class Entry:
         self._active_sent = 0
         self.planner: PlannerController | None = None
         self.trace = StepTraceWriter.from_env()  # the entry's stage records (model -1), when tracing
+        # Each subserver message's handler, by the message's type (no message type subclasses another).
+        self._handlers: dict[type, Callable[[Any, list[TokenOut | Done]], None]] = {
+            Tokens: self._on_tokens,
+            PromptLogprobs: self._on_prompt_logprobs,
+            Finished: self._on_finished,
+            ReqError: self._on_req_error,
+            Stats: self._on_stats,
+        }
         atexit.register(self.close)
         try:
             # Before the subservers: joiners are checked against the entry model's vocabulary.
@@ -252,43 +261,15 @@ class Entry:
         events: list[TokenOut | Done] = []
         msgs = self.pool.recv(timeout)
         t0 = time.perf_counter() if self.trace.enabled else 0.0
-        tokens = 0
         for msg in msgs:
-            if isinstance(msg, Tokens):
-                tokens += len(msg.items)
-                for wire, n in msg.handoffs.items():
-                    req = self._by_wire.get(wire)
-                    if req is not None:
-                        req.out.handoffs = max(req.out.handoffs, n)
-                for item in msg.items:
-                    req = self._by_wire.get(item.rid)
-                    if req is not None:
-                        req.out.put(item, msg.model)
-                        self._advance(req, events)
-            elif isinstance(msg, PromptLogprobs):
-                req = self._by_wire.get(msg.rid)
-                if req is not None:
-                    req.out.prompt_logprobs = (msg.logprobs, msg.top_logprobs)
-                    self._advance(req, events)
-            elif isinstance(msg, Finished):
-                req = self._by_wire.get(msg.rid)
-                if req is not None:
-                    req.final = msg
-                    req.out.handoffs = max(req.out.handoffs, msg.handoffs)
-                    self._advance(req, events)
-            elif isinstance(msg, ReqError):
-                if msg.rid is None:
-                    raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
-                req = self._by_wire.get(msg.rid)
-                if req is not None:
-                    req.error = f"{msg.model}: {msg.message}"
-                    self._end(req, "error")
-                    events.append(req.done_event())
-            elif isinstance(msg, Stats):
-                self._stats[msg.model] = msg
-            # Wake carries nothing: another thread sends it to cut a poll short.
-        if tokens and self.trace.enabled:
-            self.trace.write_stages(-1, t0, {"reassembly": time.perf_counter() - t0, "tokens": tokens})
+            handler = self._handlers.get(type(msg))
+            if handler is not None:  # Wake carries nothing: another thread sends it to cut a poll short
+                handler(msg, events)
+        if self.trace.enabled:
+            seconds = time.perf_counter() - t0
+            tokens = sum(len(msg.items) for msg in msgs if type(msg) is Tokens)
+            if tokens:
+                self.trace.write_stages(-1, t0, {"reassembly": seconds, "tokens": tokens})
         if self.planner is not None:
             table = self.planner.poll()
             if table is not None:
@@ -297,6 +278,42 @@ class Entry:
             self.adaptation.poll(time.monotonic())
         self.pool.check_alive()
         return events
+
+    def _on_tokens(self, msg: Tokens, events: list[TokenOut | Done]) -> None:
+        for wire, n in msg.handoffs.items():
+            req = self._by_wire.get(wire)
+            if req is not None:
+                req.out.handoffs = max(req.out.handoffs, n)
+        for item in msg.items:
+            req = self._by_wire.get(item.rid)
+            if req is not None:
+                req.out.put(item, msg.model)
+                self._advance(req, events)
+
+    def _on_prompt_logprobs(self, msg: PromptLogprobs, events: list[TokenOut | Done]) -> None:
+        req = self._by_wire.get(msg.rid)
+        if req is not None:
+            req.out.prompt_logprobs = (msg.logprobs, msg.top_logprobs)
+            self._advance(req, events)
+
+    def _on_finished(self, msg: Finished, events: list[TokenOut | Done]) -> None:
+        req = self._by_wire.get(msg.rid)
+        if req is not None:
+            req.final = msg
+            req.out.handoffs = max(req.out.handoffs, msg.handoffs)
+            self._advance(req, events)
+
+    def _on_req_error(self, msg: ReqError, events: list[TokenOut | Done]) -> None:
+        if msg.rid is None:
+            raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
+        req = self._by_wire.get(msg.rid)
+        if req is not None:
+            req.error = f"{msg.model}: {msg.message}"
+            self._end(req, "error")
+            events.append(req.done_event())
+
+    def _on_stats(self, msg: Stats, events: list[TokenOut | Done]) -> None:
+        self._stats[msg.model] = msg
 
     def _advance(self, req: EntryReq, events: list[TokenOut | Done]) -> None:
         out = req.out

@@ -1,8 +1,8 @@
 """A subserver: one model's engine in its own process, with the decode loop and the inter-model loop.
 
 Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out and in
-(drained between steps) through the sockets of runtime/subserver_sockets.py; each live request's
-hand-off state is a RequestState (runtime/request_state.py). The scheduler and engine know nothing of
+(drained between steps) through the sockets of runtime/subserver/sockets.py; each live request's
+hand-off state is a RequestState (runtime/subserver/request_state.py). The scheduler and engine know nothing of
 sockets; this file is the only place that joins them.
 """
 
@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,8 +28,6 @@ from tokenrouter.engine.step_board import CoreShare, StepBoard
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.models import quantized_linear
 from tokenrouter.routing import STAY, PeerReq, Route, make_algorithm
-from tokenrouter.runtime.attribution import Attribution
-from tokenrouter.runtime.containment import checked_route, route_each
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import (
     STEP_LATENCY_BUCKETS,
@@ -52,8 +51,10 @@ from tokenrouter.runtime.messages import (
     Trace,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.request_state import RequestState, RequestStates
-from tokenrouter.runtime.subserver_sockets import SubserverSockets
+from tokenrouter.runtime.subserver.attribution import Attribution
+from tokenrouter.runtime.subserver.containment import checked_route, route_each
+from tokenrouter.runtime.subserver.request_state import RequestState, RequestStates
+from tokenrouter.runtime.subserver.sockets import SubserverSockets
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,17 @@ class Subserver:
         self.index = group.names.index(spec.name)
         self.drain_seconds = 0.0  # handling inbox messages since the last step record
         self.overlap_seconds = 0.0  # work done while the last step ran
+        # Each inbox message's handler, by the message's type (no message type subclasses another).
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            AddReq: self._on_add_req,
+            Peer: self._on_peer,
+            Abort: self._on_abort,
+            Active: self._on_active,
+            SetThresholds: self._on_set_thresholds,
+            Topology: self._on_topology,
+            StatsQuery: self._on_stats_query,
+            Shutdown: self._on_shutdown,
+        }
 
     def _in_flight(self) -> None:
         """Run by the executor while a step is in flight: it touches neither the batch nor the scheduler."""
@@ -184,45 +196,56 @@ class Subserver:
             self.drain_seconds += time.perf_counter() - t0
 
     def _handle(self, msg: Any) -> None:
-        if isinstance(msg, AddReq):
+        handler = self._handlers.get(type(msg))
+        if handler is not None:  # a message of another type is ignored
+            handler(msg)
+
+    def _on_add_req(self, msg: AddReq) -> None:
+        try:
+            req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
+        except ValueError as e:
+            self.io.send(self.io.to_entry, ReqError(self.name, msg.rid, str(e)))
+            return
+        self.states.start(msg.rid, RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None,
+                                                alone=msg.alone))
+        if msg.trace:
+            self.attribution.start(msg.rid, scored=not msg.alone)
+        self._start(req, msg.routing)
+
+    def _on_peer(self, msg: Peer) -> None:
+        for item in msg.items:
             try:
-                req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
-            except ValueError as e:
-                self.io.send(self.io.to_entry, ReqError(self.name, msg.rid, str(e)))
-                return
-            self.states.start(msg.rid, RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None,
-                                                    alone=msg.alone))
-            if msg.trace:
-                self.attribution.start(msg.rid, scored=not msg.alone)
-            self._start(req, msg.routing)
-        elif isinstance(msg, Peer):
-            for item in msg.items:
-                try:
-                    self._receive(msg.sender, item)
-                except Exception:  # noqa: BLE001 - one request's hand-off must not stop the others
-                    logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
-                    self._fail(item.req.rid)
-        elif isinstance(msg, Abort):
-            self.states.abort(msg.rid, time.monotonic())
-            if msg.rid in self.engine.reqs:
-                self.aborted_requests += 1
-            self._drop(msg.rid)
-        elif isinstance(msg, Active):
-            self.launch.group_active = msg.n
-        elif isinstance(msg, SetThresholds):
-            if isinstance(self.launch, ThresholdLaunch):
-                self.launch.thresholds = Thresholds(msg.table)
-            else:
-                active = self.launch.group_active
-                self.launch = ThresholdLaunch(Thresholds(msg.table))
-                self.launch.group_active = active
-                self.engine.scheduler.launch = self.launch
-        elif isinstance(msg, Topology):
-            self.io.connect_peers(msg.addresses)
-        elif isinstance(msg, StatsQuery):
-            self.io.send(self.io.to_entry, self.stats())
-        elif isinstance(msg, Shutdown):
-            self.running = False
+                self._receive(msg.sender, item)
+            except Exception:  # noqa: BLE001 - one request's hand-off must not stop the others
+                logger.exception("%s: a hand-off of request %s failed", self.name, item.req.rid)
+                self._fail(item.req.rid)
+
+    def _on_abort(self, msg: Abort) -> None:
+        self.states.abort(msg.rid, time.monotonic())
+        if msg.rid in self.engine.reqs:
+            self.aborted_requests += 1
+        self._drop(msg.rid)
+
+    def _on_active(self, msg: Active) -> None:
+        self.launch.group_active = msg.n
+
+    def _on_set_thresholds(self, msg: SetThresholds) -> None:
+        if isinstance(self.launch, ThresholdLaunch):
+            self.launch.thresholds = Thresholds(msg.table)
+        else:
+            active = self.launch.group_active
+            self.launch = ThresholdLaunch(Thresholds(msg.table))
+            self.launch.group_active = active
+            self.engine.scheduler.launch = self.launch
+
+    def _on_topology(self, msg: Topology) -> None:
+        self.io.connect_peers(msg.addresses)
+
+    def _on_stats_query(self, msg: StatsQuery) -> None:
+        self.io.send(self.io.to_entry, self.stats())
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        self.running = False
 
     def _fail(self, rid: str, stage: str = "step", message: str | None = None) -> None:
         """End a request this model failed on: drop it here, count it under `stage` and tell the entry

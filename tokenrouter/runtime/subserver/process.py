@@ -1,6 +1,6 @@
 """The process a subserver runs in: threads and cores as its spec asks, the Subserver served until
 Shutdown, and a failure to start or serve reported to the entry before the process exits. The entry
-spawns `subserver_main`; a joiner (runtime/remote/joiner.py) and a Ray actor (runtime/remote/ray_actor.py)
+spawns `subserver_main`; a joiner (runtime/subserver/joiner.py) and a Ray actor (runtime/subserver/ray_actor.py)
 call `configure_process` and `serve_subserver` themselves."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import zmq
 from tokenrouter.engine.lifetime import die_with_parent
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import ReqError, encode
-from tokenrouter.runtime.subserver import Subserver
+from tokenrouter.runtime.subserver.subserver import Subserver
 from tokenrouter.runtime.transport_security import secure_client
 
 

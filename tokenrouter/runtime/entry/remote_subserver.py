@@ -1,6 +1,7 @@
-"""Subservers the entry does not spawn itself: joined by hand from another host (joiner.py) or started as
-Ray actors (ray_actor.py). The entry sees them through RemoteSubserver, as it sees its own children
-through multiprocessing.Process."""
+"""Subservers the entry does not spawn itself: joined by hand from another host (runtime/subserver/joiner.py,
+met by join_desk.py) or started as Ray actors (runtime/subserver/ray_actor.py, asked for by
+ray_subserver.py). The entry sees them through RemoteSubserver, as it sees its own children through
+multiprocessing.Process."""
 
 from __future__ import annotations
 

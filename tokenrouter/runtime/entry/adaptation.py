@@ -20,8 +20,8 @@ from typing import Any
 from tokenrouter.planner.knob_controller import KnobController
 from tokenrouter.routing.algorithm import RoutingAlgorithm
 from tokenrouter.runtime.adapt_config import AdaptConfig, knob_range
-from tokenrouter.runtime.admission import AdmittedPlan
-from tokenrouter.runtime.tpot_window import TpotWindow
+from tokenrouter.runtime.entry.admission import AdmittedPlan
+from tokenrouter.runtime.entry.tpot_window import TpotWindow
 
 logger = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import zmq
 
 from tokenrouter.engine.step_board import create_board
 from tokenrouter.runtime.connection_watch import ConnectionWatch
+from tokenrouter.runtime.entry.join_desk import JoinDesk, JoinedSubserver
+from tokenrouter.runtime.entry.remote_subserver import RemoteSubserver
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Join, Ready, ReqError, Shutdown, Topology, encode, receive_waiting
-from tokenrouter.runtime.remote.join_desk import JoinDesk, JoinedSubserver
-from tokenrouter.runtime.remote.remote_subserver import RemoteSubserver
-from tokenrouter.runtime.subserver_process import subserver_main
+from tokenrouter.runtime.subserver.process import subserver_main
 from tokenrouter.runtime.transport_security import secure_client, secure_server, start_authenticator
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class SubserverPool:
                 proc.start()
                 self.procs[spec.name] = proc
             elif spec.start == "ray":
-                from tokenrouter.runtime.remote.ray_actor import RaySubserver
+                from tokenrouter.runtime.entry.ray_subserver import RaySubserver
 
                 self.remote[spec.name] = RaySubserver(spec, group_dict, self.entry_address, self.group.ray)
         joining = [m.name for m in self.group.models if m.start == "join"]

@@ -1,19 +1,21 @@
-"""Subservers as Ray actors on an existing Ray cluster (`start: ray`; `pip install tokenrouter[ray]`).
+"""Subservers as Ray actors on an existing Ray cluster (`start: ray`; `pip install tokenrouter[ray]`): the
+entry's side.
 
 Each actor asks Ray for the resources its model needs (a GPU per tensor-parallel rank on CUDA, a CPU
-per core or thread otherwise), binds its inbox on its node's IP and then runs like any subserver: it
-reports Ready to the entry, which sends Topology as usual. The entry's process is the actors' owner,
-so Ray ends them when it exits, however it exits (no orphans).
+per core or thread otherwise), binds its inbox on its node's IP and then runs like any subserver
+(SubserverActor, runtime/subserver/ray_actor.py): it reports Ready to the entry, which sends Topology
+as usual. The entry's process is the actors' owner, so Ray ends them when it exits, however it exits
+(no orphans).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import uuid
 from typing import Any
 
-from tokenrouter.runtime.group_config import GroupConfig, ModelSpec, RayConfig
+from tokenrouter.runtime.group_config import ModelSpec, RayConfig
+from tokenrouter.runtime.subserver.ray_actor import SubserverActor
 
 logger = logging.getLogger(__name__)
 
@@ -24,25 +26,6 @@ def resources(spec: ModelSpec) -> dict[str, float]:
     gpus = eng.tp_size if eng.device.startswith("cuda") else 0
     cpus = len(spec.cores) if spec.cores else (eng.num_threads or 1) * eng.tp_size
     return {"num_cpus": float(cpus), "num_gpus": float(gpus)}
-
-
-class SubserverActor:
-    """Runs in the actor's own worker process; `run` serves until Shutdown (or its entry disappears)."""
-
-    def run(self, name: str, group: dict[str, Any], entry_address: str) -> None:
-        """Serve model `name` of the group (its config as GroupConfig.to_dict gives it)."""
-        import ray
-
-        from tokenrouter.runtime.subserver_process import configure_process, serve_subserver
-
-        cfg = GroupConfig.from_dict(group)
-        model = cfg.spec(name)
-        if model.engine.device.startswith("cuda"):
-            # Ray shows the actor only the GPUs it reserved, as cuda:0..tp_size-1.
-            model = dataclasses.replace(model, engine=dataclasses.replace(model.engine, device="cuda:0"))
-        configure_process(model)
-        ip = ray.util.get_node_ip_address()
-        serve_subserver(model, cfg, f"tcp://{ip}:{model.port or '*'}", entry_address, watch_entry=True)
 
 
 def connect(settings: RayConfig) -> Any:
