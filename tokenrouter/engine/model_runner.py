@@ -175,12 +175,12 @@ class ModelRunner:
         ends = [len(r.tokens) + 1 - n for r, n in zip(sampled, span)]  # position of each request's first draft
         positions = [e + j for e, n in zip(ends, span) for j in range(n)]
         drawn = self._draw(rows, t, positions)
-        unsure = self._unsure(rows, t) if any(r.loose for r in sampled) else None
+        unsure = self._unsure(rows, t) if any(r.loose for r in sampled) else []  # read only for loose rows
         pick, accepted, start = [], [], 0
         for r, n in zip(sampled, span):
             agree = [drawn[start + j] == tok for j, tok in enumerate(r.tokens[len(r.tokens) - r.drafts:])]
             a = 0
-            while a < n - 1 and (agree[a] or (r.loose is not None and unsure is not None
+            while a < n - 1 and (agree[a] or (r.loose is not None
                                               and _loosely_kept(r.loose, agree, a, unsure[start + a]))):
                 a += 1
             accepted.append(a)
