@@ -96,24 +96,45 @@ def test_planner_policy_sets_the_large_models_thresholds(model_paths):
     with RoutedLLM(cfg) as llm:
         planner = llm.entry.planner
         assert planner is not None and planner.table[12] > 1  # co-located: the large model waits
+        assert planner.look_ahead  # bernoulli defers to the large model, which runs ahead
         outs = llm.generate(prompt_token_ids=[[1, 2, 3, i] for i in range(12)],
                             sampling_params=SamplingParams(max_tokens=40, seed=3), use_tqdm=False, timeout=120)
         assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
         p, q = planner.estimate
-        assert 0.1 < p < 0.3 and q < 0.5  # the measured routing probability is near the router's 0.2
-        # The catch-up per visit of the large model: the small model's tokens since the large model's
-        # last one, over the runs that reached it (read off the outputs' writers).
-        runs = []
+        # Every large-model token is a visit (one right after another: a request that came straight
+        # back), so p is the large model's share of the tokens, and no span is planned.
+        models = [m for o in outs for m in o.outputs[0].token_models]
+        assert p == pytest.approx(models.count("large") / len(models)) and q == 0.0
+        # The catch-up per queued visit: the small model's tokens since the large model's last one,
+        # over the visits a look-ahead row did not answer (read off the outputs' writers).
+        runs, returns = [], 0
         for o in outs:
             prev, run = None, 0
             for model in o.outputs[0].token_models:
-                if model == "large" and prev != "large":
+                if model == "large":
                     runs.append(run)
+                    returns += prev == "large"
                 run = 0 if model == "large" else run + 1
                 prev = model
-        assert len(runs) >= planner.min_visits and planner.catchup == pytest.approx(sum(runs) / len(runs))
+        assert returns > 0 and planner.returns == returns
+        queued = len(runs) - planner.answered_returns
+        assert len(runs) >= planner.min_visits and planner.catchup == pytest.approx(sum(runs) / queued)
     with pytest.raises(ValueError, match="two models"):
         GroupConfig.from_dict({**cfg, "models": cfg["models"] + [{"name": "third", "path": "x"}]})
+
+
+def test_planner_counts_the_returns_look_ahead_answered(model_paths):
+    """Separate devices (B = 1): the large model's rows ride on its steps for other requests, and the
+    returns they answer reach the planner as answered (the subserver's Tokens say so), exactly as
+    many as the large model's look-ahead hits."""
+    cfg = group(model_paths["llama"], p=0.2, launch={"policy": "planner", "alpha": 0.0, "p": 0.2, "n_max": 12})
+    with RoutedLLM(cfg) as llm:
+        planner = llm.entry.planner
+        llm.generate(prompt_token_ids=[[1, 2, 3, i] for i in range(12)],
+                     sampling_params=SamplingParams(max_tokens=40, seed=3), use_tqdm=False, timeout=120)
+        hits = llm.entry.stats()["large"].look_ahead_hits
+        assert hits > 0 and planner.answered_returns == hits
+        assert planner.answered_share == pytest.approx(hits / planner.visits)
 
 
 def test_planner_measures_latencies_at_start_up(pair_paths):

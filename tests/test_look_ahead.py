@@ -13,7 +13,6 @@ as without it, on every sampling path; the metrics and the trace read the same a
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any
 
@@ -428,6 +427,9 @@ def test_an_answered_return_writes_the_tokens_and_visits_of_the_ordinary_path(pa
             # A's return, and as the sockets deliver maybe a later one
             assert (hits >= 1) == look_ahead and rig.large.stats().look_ahead_hits == hits
             assert sum(s.answered for s in read_trace(str(trace), with_answered=True)) == hits
+            # the entry learns which tokens were answered (the launch planner counts them)
+            answered = [m for m in rig.msgs if isinstance(m, Tokens) and m.answered]
+            assert len(answered) == hits and all(m.model == "large" and len(m.items) == 1 for m in answered)
             assert not any(s.answered for s in read_trace(str(trace)))  # step costs never see them
             tokens = {r: sorted(rig.tokens(r), key=lambda t: t[1]) for r in "AB"}
             runs[look_ahead] = tokens, visit_runs(read_trace(str(trace), with_answered=True))
@@ -527,16 +529,15 @@ def test_pending_time_starts_when_the_look_ahead_row_has_run(pair, monkeypatch):
         rig.close()
 
 
-def test_the_planner_turns_look_ahead_off_and_says_so(pair, caplog):
-    """The planner's throughput model has no look-ahead: `launch: planner` runs without it."""
+def test_the_planner_keeps_look_ahead_on(pair):
+    """The planner's chains model look-ahead (tokenrouter/planner/chain.py `answered`): `launch:
+    planner` leaves it as the group sets it, and the subservers read it the same."""
     base = {"models": [{"name": "small", "path": str(pair["small"])}, {"name": "large", "path": str(pair["large"])}],
             "algorithm": {"name": "bernoulli", "p": 0.5}}
-    with caplog.at_level(logging.INFO, logger="tokenrouter.runtime.group_config"):
-        planned = GroupConfig.from_dict({**base, "launch": {"policy": "planner", "look_ahead": True}})
-    assert planned.launch.look_ahead is False
-    assert "look-ahead turned off" in caplog.text
-    assert GroupConfig.from_dict(planned.to_dict()).launch.look_ahead is False  # as each subserver reads it
-    assert GroupConfig.from_dict({**base, "launch": {"policy": "eager"}}).launch.look_ahead is True
+    for on in (True, False):
+        planned = GroupConfig.from_dict({**base, "launch": {"policy": "planner", "look_ahead": on}})
+        assert planned.launch.look_ahead is on
+        assert GroupConfig.from_dict(planned.to_dict()).launch.look_ahead is on  # as each subserver reads it
 
 
 # ---- each sampling path: the same events with an answered return as without look-ahead -------------

@@ -277,7 +277,7 @@ def test_controller_plans_the_continuous_chain_only_up_to_its_cap(monkeypatch):
     ov = Overheads(s_token=0.001, l_token=0.004)
     ctl = PlannerController("small", "large", alpha=1.0, n_max=6, overheads=ov, **kw)
     try:
-        table = ctl._solve(0.3, 0.0, 1.0)
+        table = ctl._solve(0.3, 0.0, 1.0, 0.0)
     finally:
         ctl.close()
     aligned = best_thresholds(6, 0.3, alpha=1.0, q_l=0.0, min_gain=0.01, **kw)

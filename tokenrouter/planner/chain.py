@@ -158,14 +158,16 @@ class _Embedded:
 
 
 def _build_embedded(n: int, p: float, lat_s: LatencyModel, lat_l: LatencyModel, alpha: float,
-                    q_l: float) -> _Embedded:
+                    q_l: float, keep: float | None = None) -> _Embedded:
+    """`keep`: the tokens an S step yields per request (default 1 - p; `answered` below)."""
+    keep = 1.0 - p if keep is None else keep
     table = binom_table(n, p)
     xs = np.arange(n + 1)
     idle_P = np.zeros((n + 1, n + 1))
     for x in range(n + 1):
         m = n - x
         idle_P[x, x:x + m + 1] = table[m, :m + 1]
-    idle_R = (n - xs) * (1.0 - p)
+    idle_R = (n - xs) * keep
     idle_T = np.array([lat_s(max(n - x, 1)) for x in xs])
 
     flight_P = np.zeros((n + 1, n + 1))
@@ -187,7 +189,7 @@ def _build_embedded(n: int, p: float, lat_s: LatencyModel, lat_l: LatencyModel, 
         s_tok = 0.0
         if m_max > 0 and (k_lo > 0 or f > 0) and p > 0:
             K = _kernel(m_max, table)
-            w = (m_max - np.arange(m_max + 1)) * (1.0 - p)
+            w = (m_max - np.arange(m_max + 1)) * keep
             for _ in range(k_lo):
                 s_tok += v @ w
                 v = v @ K
@@ -195,7 +197,7 @@ def _build_embedded(n: int, p: float, lat_s: LatencyModel, lat_l: LatencyModel, 
                 s_tok += f * (v @ w)
                 v = (1.0 - f) * v + f * (v @ K)
         elif m_max > 0:  # p == 0 (nothing leaves S) or no S steps
-            s_tok = k * m_max * (1.0 - p)
+            s_tok = k * m_max * keep
         if q_l > 0:
             v = np.convolve(v, binom.pmf(np.arange(b + 1), b, q_l))
         else:
@@ -260,29 +262,43 @@ def throughput(n: int, b: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike,
 
 
 def throughput_curve(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                     q_l: float = 0.0, overheads: Overheads | None = None) -> np.ndarray:
+                     q_l: float = 0.0, overheads: Overheads | None = None, answered: float = 0.0) -> np.ndarray:
     """Tokens per second for every threshold B = 1..n (element B - 1).
 
     With overheads, the continuous-time chain of tokenrouter.planner.continuous on the latencies the
     runtime sees (catch-up tokens and per-step overheads added, hand-off latency); without one, this
     module's step-aligned chain (docs/DESIGN.md section 5 as written).
+
+    `answered`: the share of S's hand-offs that L's look-ahead answers (docs/DESIGN.md section 3: a
+    request that comes straight back after L's token finds its next token sampled, with no queue and
+    no step). Such a hand-off never reaches L's queue, so the chain thins the hand-offs to
+    p (1 - answered); the request misses the S step that started while its answer travelled, so an S
+    step still yields 1 - p tokens per request (the answered token stands in for the missed step's);
+    and the look-ahead row behind each answered token rides on an L step as one more token of
+    catch-up (answered / (1 - answered) per queued visit). A first-order model (the chain keeps no
+    per-request state): docs/BENCHMARKS.md, "Look-ahead in the throughput model", measures it.
     """
+    return np.array([s.throughput for s in _solutions(n, p, lat_s, lat_l, alpha, q_l, overheads, answered)])
+
+
+def _solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, q_l: float,
+               overheads: Overheads | None, answered: float) -> list:
+    """The solved chain for every B = 1..n: the continuous-time one with overheads, else the step-aligned."""
     check_params(n, p, alpha, q_l)
+    if not 0.0 <= answered < 1.0:
+        raise ValueError(f"answered share must be in [0, 1), got {answered}")
+    missed = 1.0 + p * answered  # S steps per decision: an answered one also misses the next step
+    p_queued, keep = p * (1.0 - answered) / missed, (1.0 - p * (1.0 - answered)) / missed
     if overheads is not None:
-        return np.array([s.throughput for s in _overhead_solutions(n, p, lat_s, lat_l, alpha, q_l, overheads)])
-    emb = _build_embedded(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, q_l)
-    return np.array([_solve_from(emb, B).throughput for B in range(1, n + 1)])
-
-
-def _overhead_solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, q_l: float,
-                       overheads: Overheads) -> list:
-    # imported here: the continuous chain is built from this module's pieces (binomial tables, the
-    # stationary solve), so this module cannot import it at load time
-    if q_l > 0:
-        raise ValueError("the continuous-time chain covers one-token visits to L only (q_L = 0); "
-                         "plan spans without overheads, or with the simulator")
-    t_s, t_l = overheads.step_latencies(lat_s, lat_l, p, q_l)
-    return continuous_curve(int(n), p, t_s, t_l, alpha, handoff=overheads.handoff)
+        if q_l > 0:
+            raise ValueError("the continuous-time chain covers one-token visits to L only (q_L = 0); "
+                             "plan spans without overheads, or with the simulator")
+        # catch-up per queued visit: the S tokens of a decision's share p (1 - answered) that queues
+        t_s, t_l = overheads.step_latencies(lat_s, lat_l, p * (1.0 - answered), q_l,
+                                            riding=answered / (1.0 - answered))
+        return continuous_curve(int(n), p_queued, t_s, t_l, alpha, handoff=overheads.handoff, keep=keep)
+    emb = _build_embedded(int(n), p_queued, as_latency(lat_s), as_latency(lat_l), alpha, q_l, keep)
+    return [_solve_from(emb, B) for B in range(1, n + 1)]
 
 
 def _pick(curve: np.ndarray, min_gain: float) -> int:
@@ -292,7 +308,8 @@ def _pick(curve: np.ndarray, min_gain: float) -> int:
 
 
 def best_thresholds(n_max: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                    q_l: float = 0.0, min_gain: float = 0.0, overheads: Overheads | None = None) -> dict[int, int]:
+                    q_l: float = 0.0, min_gain: float = 0.0, overheads: Overheads | None = None,
+                    answered: float = 0.0) -> dict[int, int]:
     """The launch threshold B for L that maximises throughput, for every concurrency N = 1..n_max.
 
     Returns {N: B}. With min_gain > 0 the smallest B whose throughput is within a factor
@@ -301,8 +318,8 @@ def best_thresholds(n_max: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike
     if not (isinstance(n_max, (int, np.integer)) and n_max >= 1):
         raise ValueError(f"n_max must be an integer >= 1, got {n_max!r}")
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
-    return {n: _pick(throughput_curve(n, p, lat_s, lat_l, alpha, q_l=q_l, overheads=overheads), min_gain)
-            for n in range(1, n_max + 1)}
+    return {n: _pick(throughput_curve(n, p, lat_s, lat_l, alpha, q_l=q_l, overheads=overheads, answered=answered),
+                     min_gain) for n in range(1, n_max + 1)}
 
 
 def zero_wait_bound(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, *, q_l: float = 0.0) -> float:
@@ -361,19 +378,15 @@ class PlanRow:
 
 
 def plan(n_values: Sequence[int], p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-         q_l: float = 0.0, min_gain: float = 0.0, overheads: Overheads | None = None) -> list[PlanRow]:
+         q_l: float = 0.0, min_gain: float = 0.0, overheads: Overheads | None = None,
+         answered: float = 0.0) -> list[PlanRow]:
     """Throughput for every B = 1..N and the best B, for each N in n_values (with overheads: the
-    continuous-time chain, see throughput_curve)."""
+    continuous-time chain; `answered`: look-ahead's share; see throughput_curve)."""
     lat_s, lat_l = as_latency(lat_s), as_latency(lat_l)
     rows = []
     for n in n_values:
-        check_params(n, p, alpha, q_l)
         t0 = time.perf_counter()
-        if overheads is not None:
-            sols = _overhead_solutions(n, p, lat_s, lat_l, alpha, q_l, overheads)
-        else:
-            emb = _build_embedded(int(n), p, lat_s, lat_l, alpha, q_l)
-            sols = [_solve_from(emb, B) for B in range(1, n + 1)]
+        sols = _solutions(n, p, lat_s, lat_l, alpha, q_l, overheads, answered)
         dt = time.perf_counter() - t0
         curve = np.array([s.throughput for s in sols])
         best = _pick(curve, min_gain)

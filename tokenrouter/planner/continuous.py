@@ -82,8 +82,8 @@ class _Model:
     """Everything for one N that does not depend on the threshold B."""
 
     def __init__(self, n: int, p: float, lat_s: LatencyModel, lat_l: LatencyModel, alpha: float, handoff: float,
-                 grid: int) -> None:
-        self.n, self.p, self.grid, self.handoff = n, p, grid, handoff
+                 grid: int, keep: float) -> None:
+        self.n, self.p, self.grid, self.handoff, self.keep = n, p, grid, handoff, keep
         self.table = binom_table(n, p)
         self.ts = np.array([lat_s(max(m, 1)) for m in range(n + 1)])
         self.ts[0] = 0.0  # no S step in progress: nothing to wait for
@@ -106,10 +106,10 @@ class _Model:
             first = np.zeros((m + 1, m + 1))  # row R: the step in progress has m - R requests
             for r in range(m + 1):
                 first[r, :m - r + 1] = self.table[m - r, :m - r + 1]
-            w = (m - q) * (1.0 - p)
+            w = (m - q) * keep
             js = sorted({(i + lo + c) // grid for i in range(grid) for c in (0, 1)} - {0})
             dists, toks = {}, {}
-            d, tok = first, (m - q) * (1.0 - p)  # after boundary 1; q indexes R here
+            d, tok = first, (m - q) * keep  # after boundary 1; q indexes R here
             for j in range(1, (js[-1] if js else 0) + 1):
                 if j > 1:
                     tok = tok + d @ w
@@ -123,7 +123,7 @@ class _Model:
                  time: np.ndarray, launch_targets) -> None:
         """Transitions when L's step on b ends with q queued (distribution d over q, per R row) at
         phases i2 of S's step: relaunch if q >= B, else S finishes its step and the returns join."""
-        K, p, h = self.grid, self.p, self.handoff
+        K, keep, h = self.grid, self.keep, self.handoff
         fl = self.flights[b]
         m = fl.m
         n_i = src.shape[1]
@@ -142,7 +142,7 @@ class _Model:
             rows.append(s_idx.ravel()), cols.append(tgt.ravel()), vals.append(pr.ravel())
             return
         mq = m - np.arange(dq.shape[1])  # S finishes its step of m - q, then the returns join
-        reward[src] += wc * (dq @ (mq * (1.0 - p)))[:, None]
+        reward[src] += wc * (dq @ (mq * keep))[:, None]
         time[src] += wc * (dq @ self.ts[mq])[:, None] * left[None, :]
         xd = np.zeros((m + 1, self.n + 1))
         xd[:, :m + 1] = dq @ fl.kernel[:dq.shape[1]]
@@ -150,7 +150,7 @@ class _Model:
         time[src_all] += h * launch_targets(src_all, np.repeat(xd * wc, n_i, axis=0))
 
     def solve(self, B: int) -> ContinuousSolution:
-        n, p, K, h = self.n, self.p, self.grid, self.handoff
+        n, keep, K, h = self.n, self.keep, self.grid, self.handoff
         launch_lo, launch_f = self.launch_lo, self.launch_f
         sizes = np.array([(n - b + 1) * K if b >= B else 0 for b in range(n + 1)])
         offset = B + np.concatenate([[0], np.cumsum(sizes)[:-1]])  # Launch(b, R, i) = offset[b] + R K + i
@@ -184,7 +184,7 @@ class _Model:
         xdist = np.zeros((B, n + 1))
         for x in range(B):
             xdist[x, x:] = self.table[n - x, :n - x + 1]
-        reward[:B] = (n - xi) * (1.0 - p)
+        reward[:B] = (n - xi) * keep
         time[:B] = self.ts[n - xi] + h * launch_targets(xi, xdist)
 
         # Launch(b, R, i)
@@ -219,7 +219,7 @@ class _Model:
                             xd[r, :mc[r] + 1] = self.table[mc[r], :mc[r] + 1]
                         xd_all = np.repeat(xd * wc, len(ii), axis=0)
                         src_all = src.ravel()
-                        reward[src_all] += wc * np.repeat(mc * (1.0 - p), len(ii))
+                        reward[src_all] += wc * np.repeat(mc * keep, len(ii))
                         time[src_all] += wc * (self.ts[mc][:, None] * left[None, :]).ravel()
                         time[src_all] += h * launch_targets(src_all, xd_all)
                         continue
@@ -245,25 +245,31 @@ class _Model:
 
 
 def _model(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float, handoff: float,
-           grid: int) -> _Model:
+           grid: int, keep: float | None) -> _Model:
     check_params(n, p, alpha, 0.0)
+    keep = 1.0 - p if keep is None else keep
+    if not 0.0 <= keep <= 1.0 - p + 1e-12:
+        raise ValueError(f"tokens kept per S step and request must be in [0, 1 - p], got {keep}")
     if not (isinstance(grid, (int, np.integer)) and grid >= 1):
         raise ValueError(f"phase grid must be an integer >= 1, got {grid!r}")
     if handoff < 0:
         raise ValueError(f"hand-off latency must be >= 0 seconds, got {handoff}")
-    return _Model(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, handoff, int(grid))
+    return _Model(int(n), p, as_latency(lat_s), as_latency(lat_l), alpha, handoff, int(grid), keep)
 
 
 def solve_continuous(n: int, b: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                     handoff: float = 0.0, grid: int = DEFAULT_GRID) -> ContinuousSolution:
-    """The continuous-time chain for N = n requests and launch threshold B = b."""
+                     handoff: float = 0.0, grid: int = DEFAULT_GRID, keep: float | None = None) -> ContinuousSolution:
+    """The continuous-time chain for N = n requests and launch threshold B = b. `keep`: the tokens an
+    S step yields per request (default 1 - p: the ones it does not hand off; see chain.py's
+    `answered` for why it can be less)."""
     if not 1 <= b <= n:
         raise ValueError(f"threshold B must be in 1..N={n}, got {b}")
-    return _model(n, p, lat_s, lat_l, alpha, handoff, grid).solve(int(b))
+    return _model(n, p, lat_s, lat_l, alpha, handoff, grid, keep).solve(int(b))
 
 
 def continuous_curve(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
-                     handoff: float = 0.0, grid: int = DEFAULT_GRID) -> list[ContinuousSolution]:
+                     handoff: float = 0.0, grid: int = DEFAULT_GRID,
+                     keep: float | None = None) -> list[ContinuousSolution]:
     """Solutions for every threshold B = 1..n (element B - 1)."""
-    model = _model(n, p, lat_s, lat_l, alpha, handoff, grid)
+    model = _model(n, p, lat_s, lat_l, alpha, handoff, grid, keep)
     return [model.solve(B) for B in range(1, n + 1)]

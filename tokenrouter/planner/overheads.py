@@ -44,12 +44,14 @@ class Overheads:
         if self.catchup is not None and not self.catchup >= 0.0:
             raise ValueError(f"runtime catchup must be >= 0 tokens, got {self.catchup}")
 
-    def step_latencies(self, lat_s: LatencyLike, lat_l: LatencyLike, p: float,
-                       q_l: float = 0.0) -> tuple[LatencyModel, LatencyModel]:
-        """(t_S(b), t_L(b)) as the runtime sees them: profile latency + catch-up tokens + overhead."""
+    def step_latencies(self, lat_s: LatencyLike, lat_l: LatencyLike, p: float, q_l: float = 0.0,
+                       riding: float = 0.0) -> tuple[LatencyModel, LatencyModel]:
+        """(t_S(b), t_L(b)) as the runtime sees them: profile latency + catch-up tokens + overhead.
+        `riding`: look-ahead rows per queued visit that L runs beyond the visits' own catch-up (the
+        rows behind the returns it answered without a step), charged as catch-up tokens."""
         s, lat = as_latency(lat_s), as_latency(lat_l)
         geometric = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
-        l_extra = geometric if self.catchup is None else self.catchup
+        l_extra = (geometric if self.catchup is None else self.catchup) + riding
         s_extra = p * q_l / (1.0 - q_l)
         s_eff = Function(lambda b: s(b) + self.s_overhead + self.s_token * s_extra * b)
         l_eff = Function(lambda b: lat(b) + self.l_overhead + self.l_token * l_extra * b)

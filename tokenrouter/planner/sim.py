@@ -11,6 +11,12 @@ It runs the system of `tokenrouter.planner.chain` event by event in continuous t
   step pays `l_token` for each token its requests bring back from S (that request's own gap, not the
   mean), an S step `s_token` for each token beyond one its requests bring back from L (span - 1),
   each step its model's per-step overhead; the hand-off latency is `handoff`.
+- optionally L's look-ahead (docs/DESIGN.md section 3, `look_ahead`): a request L hands back leaves
+  a row (L's own last token) that rides, as one more row of the batch, on L's next step; a request
+  that comes back with nothing new (a gap of 0) after its row ran is answered at once, with no queue
+  and no step: L's token is written on arrival and the request goes back to S (or, mid-span, waits
+  in L's queue for the span's next token). A return with a gap after its row ran feeds one token
+  less; a return before its row ran is an ordinary visit.
 As in the runtime, S starts its next step the moment one ends (its batch: every request at S then),
 even while L runs (with alpha = 1 that step then waits for L); requests that L returns while S is in
 the middle of a step join S's next step; L launches (every queued request) when idle and at least B
@@ -52,6 +58,8 @@ from tokenrouter.planner.latency import LatencyLike, as_latency
 from tokenrouter.planner.overheads import Overheads
 
 __all__ = ["LEGS", "SimResult", "simulate", "parse_histogram"]
+
+NO_AHEAD, AHEAD_DUE, AHEAD_RIDING, AHEAD_RAN = 0, 1, 2, 3
 
 LEGS = ("on_s", "back_to_s", "to_l", "on_l")
 """Where a request is between its first step and its last, for the mean number of requests in each
@@ -115,6 +123,7 @@ class SimResult:
     s_batch: float  # mean batch of S's steps after warm-up (the rows it computed per step)
     l_batch: float  # and of L's
     l_fed: float  # mean tokens per L step its requests brought back from S (the catch-up), after warm-up
+    answered: int  # returns answered from a look-ahead row after warm-up (L tokens written without a step)
     legs: dict[str, float]  # mean requests in each leg of `LEGS` after warm-up
     itl: np.ndarray  # inter-token latencies (seconds) after warm-up, a sample of at most `itl_keep`
 
@@ -125,7 +134,7 @@ class SimResult:
 def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: float = 0.0, *,
              p: float | None = None, gaps=None, q_l: float = 0.0, spans=None,
              lives: Sequence[Sequence[Sequence[int]]] | None = None, handoff: float = 0.0,
-             overheads: Overheads | None = None, s_steps: int = 200_000,
+             overheads: Overheads | None = None, look_ahead: bool = False, s_steps: int = 200_000,
              warmup: float = 0.05, batches: int = 20, seed: int = 0, itl_keep: int = 200_000) -> SimResult:
     """Simulate N = n requests with launch threshold B = b for about `s_steps` S steps.
 
@@ -133,6 +142,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     spans, 0 = one token) or spans (a histogram {span tokens >= 1: count}). Or give `lives` alone:
     measured requests' visits, replayed whole (see the module docstring). With `overheads`, the
     runtime's costs (see the module docstring) and its hand-off latency (which replaces `handoff`).
+    `look_ahead`: L runs ahead for the requests it hands back (see the module docstring).
     """
     if sum(x is not None for x in (p, gaps, lives)) != 1:
         raise ValueError("give exactly one of p, gaps and lives")
@@ -182,6 +192,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     s_left = (np.array([life_steps[j][0] for j in life], dtype=np.int64) if lives is not None
               else draw_gap(n).astype(np.int64))  # S steps left before the hand-off, per request
     catch = s_left - 1  # tokens S keeps in the current gap: L feeds them with the hand-off
+    kept = s_left - 1  # the same, as the gap (a life's measured fed replaces `catch` at the hand-off)
 
     def last_visit(i: int) -> bool:
         return life is not None and pos[i] == len(life_steps[life[i]]) - 1
@@ -199,10 +210,11 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
         """Request i ended: a new one takes its place at S with a life drawn at random."""
         life[i], pos[i] = rng.integers(len(lives)), 0
         s_left[i] = life_steps[life[i]][0]
-        catch[i] = s_left[i] - 1
+        catch[i] = kept[i] = s_left[i] - 1
         back[i] = visit_fed(i) if life_fed is not None else 0
         last_tok[i] = math.nan
         unstepped[i] = True
+        ahead[i] = NO_AHEAD
     back = np.zeros(n, dtype=np.int64)  # tokens beyond one S's next step on the request computes
     if life_fed is not None:
         back[:] = [visit_fed(i) for i in range(n)]
@@ -211,10 +223,16 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     itl_n = 0
     l_left = np.zeros(n, dtype=np.int64)  # L tokens left in the current span
     span_len = np.zeros(n, dtype=np.int64)  # L tokens written so far in the current span
+    # Look-ahead, per request: its row is due on L's next step (AHEAD_DUE), riding on the step in
+    # progress (AHEAD_RIDING) or run (AHEAD_RAN); NO_AHEAD otherwise (and always without look-ahead).
+    ahead = np.zeros(n, dtype=np.int8)
+    riding: list[int] = []  # the requests whose rows ride on L's step in progress
+    answered = answered0 = 0
     at_s = np.ones(n, dtype=bool)  # at S (in its batch or waiting for its next step)
     unstepped = np.zeros(n, dtype=bool)  # a replacement that has not joined an S step yet (in no leg)
     queue: list[int] = []
     transit: list[tuple[float, int]] = []  # (arrival time at L, request), in arrival order
+    held: list[int] = []  # returns with nothing new whose rows ride on L's step in progress
     l_batch: list[int] = []
     l_rem = 0.0
     s_batch = None  # S's current step (None: no step in progress); formed when it starts to progress
@@ -232,6 +250,52 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
     fed_now = 0  # and of the L step in progress
     legs = dict.fromkeys(LEGS, 0.0)  # request-seconds in each leg after warm-up
     eps = 1e-12
+
+    def stamp(idx: np.ndarray) -> None:
+        """Requests idx got a token now: their inter-token latencies (after warm-up)."""
+        nonlocal itl_n
+        if n_s_steps >= warm_steps and itl_n < itl_keep:
+            gaps_now = t - last_tok[idx]
+            gaps_now = gaps_now[~np.isnan(gaps_now)]
+            itl.append(gaps_now)
+            itl_n += len(gaps_now)
+        last_tok[idx] = t
+
+    def l_token_written(i: int) -> None:
+        """L wrote request i's token (a step ended, or a look-ahead row answered it): the span goes on
+        in L's queue, or the request goes back to S (with its row due, under look-ahead) or ends."""
+        l_left[i] -= 1
+        span_len[i] += 1
+        if l_left[i] > 0:
+            queue.append(i)
+            return
+        at_s[i] = True
+        back[i] = span_len[i] - 1
+        span_len[i] = 0
+        if last_visit(i):
+            new_request(i)
+            return
+        s_left[i] = next_visit(i) if life is not None else draw_gap(1)[0]
+        catch[i] = kept[i] = s_left[i] - 1
+        if life_fed is not None:
+            back[i] = visit_fed(i)
+        if look_ahead:
+            ahead[i] = AHEAD_DUE
+
+    def arrive(i: int) -> None:
+        """Request i reaches L: answered from its look-ahead row if that ran and S kept nothing since,
+        else queued (feeding one token less when its row ran ahead)."""
+        nonlocal tok_l, answered
+        state, ahead[i] = ahead[i], NO_AHEAD
+        if state == AHEAD_RAN and kept[i] == 0:
+            tok_l += 1
+            answered += 1
+            stamp(np.array([i]))
+            l_token_written(i)
+            return
+        if state in (AHEAD_RIDING, AHEAD_RAN) and catch[i] > 0:
+            catch[i] -= 1
+        queue.append(i)
 
     while n_s_steps < s_steps:
         rate = (1.0 - alpha) if l_batch else 1.0
@@ -251,7 +315,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             between = int(np.count_nonzero(span_len[queue])) if queue else 0  # queued between two steps of a span
             legs["on_s"] += dt * on_s
             legs["back_to_s"] += dt * (int(np.count_nonzero(at_s)) - on_s - int(np.count_nonzero(unstepped)))
-            legs["to_l"] += dt * (len(transit) + len(queue) - between)
+            legs["to_l"] += dt * (len(transit) + len(queue) + len(held) - between)
             legs["on_l"] += dt * (len(l_batch) + between)
         t += dt
         if s_batch is not None and rate > 0:
@@ -266,13 +330,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                 stay_mask[np.isin(s_batch, ending)] = True  # a request's last S step keeps its token
             leave = s_batch[~stay_mask]
             tok_s += len(s_batch) - len(leave)
-            if n_s_steps >= warm_steps and itl_n < itl_keep:
-                kept = s_batch[stay_mask]
-                gaps_now = t - last_tok[kept]
-                gaps_now = gaps_now[~np.isnan(gaps_now)]
-                itl.append(gaps_now)
-                itl_n += len(gaps_now)
-            last_tok[s_batch[stay_mask]] = t
+            stamp(s_batch[stay_mask])
             for i in ending:
                 new_request(i)
             at_s[leave] = False
@@ -285,7 +343,7 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             s_batch = None
             n_s_steps += 1
             if n_s_steps == warm_steps:
-                t0, tok_s0, tok_l0 = t, tok_s, tok_l
+                t0, tok_s0, tok_l0, answered0 = t, tok_s, tok_l, answered
                 s_rows0, l_rows0, n_l0, fed0 = s_rows, l_rows, n_l_steps, fed
             if n_s_steps > warm_steps and (n_s_steps - warm_steps) % per_batch == 0:
                 marks.append((t, tok_s + tok_l))
@@ -294,38 +352,30 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
             l_rows += len(l_batch)
             fed += fed_now
             n_l_steps += 1
-            lb = np.array(l_batch)
-            if n_s_steps >= warm_steps and itl_n < itl_keep:
-                gaps_now = t - last_tok[lb]
-                gaps_now = gaps_now[~np.isnan(gaps_now)]
-                itl.append(gaps_now)
-                itl_n += len(gaps_now)
-            last_tok[lb] = t
+            stamp(np.array(l_batch))
             for i in l_batch:
-                l_left[i] -= 1
-                span_len[i] += 1
-                if l_left[i] > 0:
-                    queue.append(i)
-                    continue
-                at_s[i] = True
-                back[i] = span_len[i] - 1
-                span_len[i] = 0
-                if last_visit(i):
-                    new_request(i)
-                else:
-                    s_left[i] = next_visit(i) if life is not None else draw_gap(1)[0]
-                    catch[i] = s_left[i] - 1
-                    if life_fed is not None:
-                        back[i] = visit_fed(i)
+                l_token_written(i)
             l_batch = []
+            ran = [i for i in riding if ahead[i] == AHEAD_RIDING]  # not back since the row rode
+            ahead[ran] = AHEAD_RAN
+            riding = []
+            for i in held:  # came back while its row rode: answered now that it ran
+                arrive(i)
+            held = []
         while transit and transit[0][0] <= t + eps * max(1.0, t):
-            queue.append(transit.pop(0)[1])
+            i = transit.pop(0)[1]
+            if ahead[i] == AHEAD_RIDING and kept[i] == 0:
+                held.append(i)  # the subserver reads the return after the step its row rides on
+            else:
+                arrive(i)
         if not l_batch and len(queue) >= b:
             l_batch, queue = queue, []
             # a request's first step of a span feeds the tokens S kept since its last visit
             fresh = [i for i in l_batch if span_len[i] == 0]
             fed_now = int(catch[fresh].sum())
-            l_rem = lat_l(len(l_batch)) + ov.l_overhead + ov.l_token * fed_now
+            riding = [int(i) for i in np.nonzero(ahead == AHEAD_DUE)[0]]
+            ahead[riding] = AHEAD_RIDING
+            l_rem = lat_l(len(l_batch) + len(riding)) + ov.l_overhead + ov.l_token * fed_now
             catch[fresh] = 0
     if t0 is None:
         raise ValueError("s_steps too small for the warm-up")
@@ -338,6 +388,6 @@ def simulate(n: int, b: int, lat_s: LatencyLike, lat_l: LatencyLike, alpha: floa
                      seconds=secs, s_steps=n_s_steps - warm_steps, l_steps=n_l_steps - n_l0,
                      s_batch=(s_rows - s_rows0) / max(n_s_steps - warm_steps, 1),
                      l_batch=(l_rows - l_rows0) / max(n_l_steps - n_l0, 1),
-                     l_fed=(fed - fed0) / max(n_l_steps - n_l0, 1),
+                     l_fed=(fed - fed0) / max(n_l_steps - n_l0, 1), answered=answered - answered0,
                      legs={k: v / secs for k, v in legs.items()},
                      itl=np.concatenate(itl) if itl else np.zeros(0))

@@ -79,8 +79,7 @@ class LaunchConfig:
     n_max: int | None = None  # planner: plan B(n) up to this n (default: min(64, small's max_running_requests))
     profile: LatencyProfile | None = None  # planner: step latencies (default: the latency executor's, else measured)
     # A model that hands a request back with its own token runs that token in its next step, for the
-    # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off). Off under
-    # the planner, which does not model it.
+    # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off).
     look_ahead: bool = True
     # On CPU, a model alone on its host (the only subserver spawned here, not pinned to cores, one
     # rank) runs a step of few rows on every core, larger ones on one (engine/step_board.py
@@ -101,11 +100,6 @@ class LaunchConfig:
             raise ValueError(f"launch.p must be in (0, 1], got {self.p}")
         if self.n_max is not None and self.n_max < 1:
             raise ValueError(f"launch.n_max must be >= 1, got {self.n_max}")
-        if self.policy == "planner" and self.look_ahead:
-            # The planner's throughput model has no return answered without the large model's step:
-            # with look-ahead on it would plan for another system than the one that runs.
-            logger.info("launch.policy planner: look-ahead turned off (the planner does not model it)")
-            object.__setattr__(self, "look_ahead", False)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LaunchConfig:

@@ -126,6 +126,7 @@ class Tokens(msgspec.Struct, tag="tokens"):
     items: list[TokenEvent]
     # rid -> that request's hand-offs so far, for the requests this step handed to a peer
     handoffs: dict[str, int] = {}
+    answered: bool = False  # written from a look-ahead row, with no step (engine.py Engine.receive)
 
 
 class PromptLogprobs(msgspec.Struct, tag="prompt_logprobs"):

@@ -121,7 +121,7 @@ class Entry:
             self.rules = AdmissionRules.from_ready(self.info, self.visit, self.algorithm.resolve_request)
             self.admission: AdmissionQueue[EntryReq] = AdmissionQueue(
                 {n: self.info[n].capacity_tokens for n in group.names})
-            self.planner = make_planner(group, self.info)
+            self.planner = make_planner(group, self.info, self.algorithm.looks_ahead(group.names[1]))
             if self.planner is not None:
                 self.pool.send(group.names[1], SetThresholds(self.planner.table))
         except BaseException:
@@ -280,6 +280,8 @@ class Entry:
         return events
 
     def _on_tokens(self, msg: Tokens, events: list[TokenOut | Done]) -> None:
+        if msg.answered and self.planner is not None:
+            self.planner.answered(len(msg.items))
         for wire, n in msg.handoffs.items():
             req = self._by_wire.get(wire)
             if req is not None:

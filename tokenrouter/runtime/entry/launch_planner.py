@@ -13,9 +13,11 @@ from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Ready
 
 
-def make_planner(group: GroupConfig, info: Mapping[str, Ready]) -> PlannerController | None:
+def make_planner(group: GroupConfig, info: Mapping[str, Ready], looks_ahead: bool) -> PlannerController | None:
     """The planner, when the group asks for one. Step latencies come from the group's profile, or
-    else from the subservers' start-up measurements (their Ready reports)."""
+    else from the subservers' start-up measurements (their Ready reports). `looks_ahead`: whether
+    the algorithm has the large model run ahead (routing/algorithm.py looks_ahead), which the group's
+    `launch.look_ahead` may turn off."""
     launch = group.launch
     if launch.policy != "planner":
         return None
@@ -29,8 +31,9 @@ def make_planner(group: GroupConfig, info: Mapping[str, Ready]) -> PlannerContro
             lat[name] = StepLatency.from_dict(info[name].latency)
         else:
             raise ValueError(f"no step latency for {name!r}: give the planner a profile")
+    look_ahead = launch.look_ahead and looks_ahead
     n_max = launch.n_max or min(64, group.spec(small).engine.max_running_requests)
     # Each model's cost per token beyond one, so the chain charges the catch-up the controller measures.
     overheads = Overheads(s_token=lat[small].per_token, l_token=lat[large].per_token)
     return PlannerController(small, large, lambda b: lat[small](b, b), lambda b: lat[large](b, b),
-                             launch.alpha, n_max, p0=launch.p, overheads=overheads)
+                             launch.alpha, n_max, p0=launch.p, overheads=overheads, look_ahead=look_ahead)

@@ -191,7 +191,7 @@ class Subserver:
             if self.trace.enabled:
                 self.trace.write_answered(self.index, time.perf_counter(), [row.reqs[0].rid for row in rows])
             for row in rows:
-                self._commit(row)
+                self._commit(row, answered=True)
         if self.trace.enabled:
             self.drain_seconds += time.perf_counter() - t0
 
@@ -362,9 +362,9 @@ class Subserver:
         self._commit(out, (t0, took) if tracing else None)
         return True
 
-    def _commit(self, out: StepOutput, timed: tuple[float, float] | None = None) -> None:
-        """Route a step's sampled rows (or a row a look-ahead sampled), then commit their tokens and
-        send their hand-offs. `timed`: the step's start and forward seconds, to trace its stages."""
+    def _commit(self, out: StepOutput, timed: tuple[float, float] | None = None, answered: bool = False) -> None:
+        """Route a step's sampled rows (or, `answered`, a row a look-ahead sampled), then commit their
+        tokens and send their hand-offs. `timed`: the step's start and forward seconds, to trace its stages."""
         eng = self.engine
         tracing = timed is not None
         t1 = time.perf_counter()
@@ -446,7 +446,7 @@ class Subserver:
         for drafter, items in drafted.items():
             self.io.send_later(self.io.to_entry, Tokens(drafter, items))
         if events or counts:
-            self.io.send_later(self.io.to_entry, Tokens(self.name, events, counts))
+            self.io.send_later(self.io.to_entry, Tokens(self.name, events, counts, answered))
         t4 = time.perf_counter() if tracing else 0.0
         notices: dict[str, list[Handoff]] = {}
         for req in finished:
