@@ -38,6 +38,11 @@ L's step as requests live through it.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/send_patterns_pair.py --arith 16 --champ 24 --n 8 \\
         --max-tokens 64 --b 1,2,4 --plot docs/bench/send_patterns_pair.png --out docs/bench/send_patterns_pair.json
+
+--look-ahead serves the pair with the large model's look-ahead on (as the group serves it by default):
+the answered returns are read off the trace too, the chains are given the share of L's visits they
+took (tokenrouter/planner/chain.py `answered`) and the catch-up of the visits that queued, and the
+lives are replayed with the simulator's look-ahead.
 """
 
 from __future__ import annotations
@@ -173,6 +178,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=1, choices=(0, 1),
                     help="run the prompts once, unmeasured, before the measured runs (prefix caches warm)")
     ap.add_argument("--sim-steps", type=int, default=40_000)
+    ap.add_argument("--look-ahead", action="store_true", help="the large model runs ahead (the served default); "
+                    "without it, off (as the measurements of docs/BENCHMARKS.md 'Real send patterns')")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", default=None, help="print the tables (and --plot) of an --out JSON, run nothing; "
@@ -196,7 +203,7 @@ def main() -> int:
     ids = prompts(meta["large"], args.arith, args.champ)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     report = {"pair": str(folder), "n": args.n, "prompts": len(ids), "max_tokens": args.max_tokens,
-              "warmup": args.warmup,
+              "warmup": args.warmup, "look_ahead": args.look_ahead,
               "prompt_tokens_mean": float(np.mean([len(p) for p in ids])), "routers": {}}
     for kind in args.routers.split(","):
         algo = served_algorithm(meta, kind)
@@ -205,7 +212,7 @@ def main() -> int:
         entry = Entry(GroupConfig.from_dict({
             "name": f"default-{kind}", "models": [{"name": "small", "path": meta["small"]},
                                                  {"name": "large", "path": meta["large"]}],
-            "algorithm": algo, "launch": {"policy": "eager", "look_ahead": False}}))  # the planner models none
+            "algorithm": algo, "launch": {"policy": "eager", "look_ahead": args.look_ahead}}))
         runs = []
         sent: list[int] = []
         cut: list[int] = []
@@ -220,21 +227,25 @@ def main() -> int:
                 t0 = time.perf_counter()
                 res = run_closed_loop(entry, ids, params, concurrency=args.n, seed=1)
                 t1 = time.perf_counter()
-                steps = read_trace(trace_dir, t0, t1)
-                r = send_runs(steps, 0)
+                # the returns answered without a step are visits (runs and lives), never step costs
+                visits = read_trace(trace_dir, t0, t1, with_answered=True)
+                steps = [s for s in visits if not s.answered]
+                r = send_runs(visits, 0)
                 if not runs:  # greedy answers to the same prompts: every B's run sends alike
-                    sent, cut, l_spans = r.sent, r.cut, send_runs(steps, 1).sent
-                    lives = list(visit_runs(steps).values())
+                    sent, cut, l_spans = r.sent, r.cut, send_runs(visits, 1).sent
+                    lives = list(visit_runs(visits).values())
+                l_visits = sum(m == 1 for v in visit_runs(visits).values() for m, _, _ in v)
                 costs = runtime_costs(steps)
                 lat = latencies_from_trace(steps)
                 lat |= steady_steps(steps, res.steady_window, lat["l_coef"])
                 if res.steady_window[1] > res.steady_window[0]:
                     lat["legs"] = request_legs(steps, *res.steady_window)
                 runs.append({"b": b, "steady": res.steady_throughput, "whole": res.throughput,
+                             "answered_share": (len(visits) - len(steps)) / max(l_visits, 1),
                              "tokens": res.output_tokens, "seconds": t1 - t0, "runs_sent": len(r.sent),
                              "runs_cut": len(r.cut), "costs": costs.to_dict(), **lat})
                 print(f"{kind} B={b}: {res.steady_throughput:.1f} tok/s steady ({res.output_tokens} tokens, "
-                      f"{t1 - t0:.0f} s), "
+                      f"{t1 - t0:.0f} s), {100 * runs[-1]['answered_share']:.0f}% of L's visits answered, "
                       f"{len(r.sent)} runs sent, {len(r.cut)} cut, alpha {lat['alpha']:.2f}", flush=True)
         finally:
             entry.close()
@@ -264,11 +275,12 @@ def run_model(run: dict, handoff: float, catchup: float | None = None) -> tuple[
     return (lambda b: cs[0] + cs[1] * b), (lambda b: cl[0] + cl[1] * b), ov
 
 
-def chain_at(n: int, p: float, b: int, lat_s, lat_l, alpha: float, ov: Overheads, what: str) -> float:
-    """The continuous chain's throughput at threshold b; nan past the chain's own limits (a hand-off
-    slower than an S step)."""
+def chain_at(n: int, p: float, b: int, lat_s, lat_l, alpha: float, ov: Overheads, what: str,
+             answered: float = 0.0) -> float:
+    """The continuous chain's throughput at threshold b (`answered`: the share of L's visits
+    look-ahead answered); nan past the chain's own limits (a hand-off slower than an S step)."""
     try:
-        return float(throughput_curve(n, p, lat_s, lat_l, alpha, overheads=ov)[b - 1])
+        return float(throughput_curve(n, p, lat_s, lat_l, alpha, overheads=ov, answered=answered)[b - 1])
     except ValueError as e:
         print(f"{what}, B={b}: {e}")
         return float("nan")
@@ -279,9 +291,12 @@ def predict(report: dict, sim_steps: int) -> None:
     simulator with the measured run lengths, the chain with the catch-up of the runs that sent, and the
     simulator replaying the measured requests' lives (with L's three-term fit, and with L fitted per row
     alone), all with the run's latencies read off its trace. The hand-off latency is the B = 1 run's
-    when there is one: `runtime_costs` counts a hand-off's wait while L was idle, and with B > 1 an idle L also waits
-    for the B-th request on purpose."""
+    when there is one: `runtime_costs` counts a hand-off's wait while L was idle, and with B > 1 an idle L also
+    waits for the B-th request on purpose. With look-ahead, each run's answered share goes to the chains, their
+    catch-up counts over the visits that queued (an answered one fed nothing), and the simulator runs
+    look-ahead itself."""
     n = report["n"]
+    la = report.get("look_ahead", False)
     for r in report["routers"].values():
         fit = fit_runs(r["sent"], r["cut"])
         gaps = fit.gap_histogram()
@@ -293,28 +308,31 @@ def predict(report: dict, sim_steps: int) -> None:
         eager = [run["costs"]["handoff"] for run in r["runs"] if run["b"] == 1]
         for run in r["runs"]:
             b = run["b"]
+            a = run.get("answered_share", 0.0) if la else 0.0
             lat_s, lat_l, ov = run_model(run, eager[0] if eager else run["costs"]["handoff"])
-            geo = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], ov, "geometric chain")
-            sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps)
-            cut = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], dataclasses.replace(ov, catchup=catchup),
-                           "chain with the measured catch-up")
+            geo = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], ov, "geometric chain", a)
+            sim = simulate(n, b, lat_s, lat_l, run["alpha"], gaps=gaps, overheads=ov, s_steps=sim_steps, look_ahead=la)
+            cut = chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"], dataclasses.replace(ov, catchup=catchup / (1 - a)),
+                           "chain with the measured catch-up", a)
             steady = run["steady"] or float("nan")  # 0: the run never reached its steady window
             if r.get("lives"):  # JSON from before lives were recorded has none
-                life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps)
+                life = simulate(n, b, lat_s, lat_l, run["alpha"], lives=r["lives"], overheads=ov, s_steps=sim_steps,
+                                look_ahead=la)
                 if "l_rows_coef" in run:  # L's cost per row, the same for a request's first row and its catch-up
                     c0, c1 = run["l_rows_coef"]
                     per_row = simulate(n, b, lat_s, (lambda k, c0=c0, c1=c1: c0 + c1 * k), run["alpha"],
                                        lives=r["lives"], overheads=dataclasses.replace(ov, l_token=max(c1, 0.0)),
-                                       s_steps=sim_steps)
+                                       s_steps=sim_steps, look_ahead=la)
                     run.update(lives_rows_model=per_row.throughput,
                                lives_rows_error=per_row.throughput / steady - 1)
                 if fed is not None:  # replay again without what each visit fed, and the chain given its mean
                     run.update(fed_tokens=fed, fed_chain=chain_at(n, fit.p, b, lat_s, lat_l, run["alpha"],
-                                                                  dataclasses.replace(ov, catchup=fed),
-                                                                  "chain with what L's visits fed"))
+                                                                  dataclasses.replace(ov, catchup=fed / (1 - a)),
+                                                                  "chain with what L's visits fed", a))
                     run["fed_chain_error"] = run["fed_chain"] / steady - 1
-                    gaps_only = simulate(n, b, lat_s, lat_l, run["alpha"], lives=[[x[:2] for x in v] for v in r["lives"]],
-                                         overheads=ov, s_steps=sim_steps)
+                    gaps_only = simulate(n, b, lat_s, lat_l, run["alpha"],
+                                         lives=[[x[:2] for x in v] for v in r["lives"]], overheads=ov,
+                                         s_steps=sim_steps, look_ahead=la)
                     run.update(lives_gaps_model=gaps_only.throughput, lives_gaps_error=gaps_only.throughput / steady - 1)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
                            lives_error=life.throughput / steady - 1,
@@ -325,18 +343,20 @@ def predict(report: dict, sim_steps: int) -> None:
                        measured_runs_stderr=sim.stderr, geometric_error=geo / steady - 1,
                        measured_runs_error=sim.throughput / steady - 1, catchup_chain=cut,
                        catchup_chain_error=cut / steady - 1, catchup_tokens=catchup)
-        r["launch_rule"] = launch_rule(n, fit.p, r["runs"], eager[0] if eager else None, catchup)
+        r["launch_rule"] = launch_rule(n, fit.p, r["runs"], eager[0] if eager else None, catchup, la)
 
 
-def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None, catchup: float) -> dict | None:
+def launch_rule(n: int, p: float, runs: list[dict], handoff: float | None, catchup: float,
+                look_ahead: bool) -> dict | None:
     """The B the planner would launch at, planned from the eager (B = 1) run alone (what a server
     serving eagerly has measured; the chain with the catch-up of the runs that sent), beside the B
     that measured fastest. None without a B = 1 run."""
     eager = next((run for run in runs if run["b"] == 1), None)
     if eager is None or handoff is None:
         return None
-    lat_s, lat_l, ov = run_model(eager, handoff, catchup)
-    curve = throughput_curve(n, p, lat_s, lat_l, eager["alpha"], overheads=ov)
+    a = eager.get("answered_share", 0.0) if look_ahead else 0.0
+    lat_s, lat_l, ov = run_model(eager, handoff, catchup / (1 - a))
+    curve = throughput_curve(n, p, lat_s, lat_l, eager["alpha"], overheads=ov, answered=a)
     fastest = max(runs, key=lambda run: run["steady"] or 0.0)
     return {"planned_b": int(np.argmax(curve)) + 1, "planned_tok_s": float(curve.max()),
             "predicted_by_b": {run["b"]: float(curve[run["b"] - 1]) for run in runs if run["b"] <= n},
