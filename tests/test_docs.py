@@ -1,6 +1,7 @@
-"""The README and docs/ name only what exists: every repository path they mention is a file or folder
-(or the prefix of result files) of this checkout, every benchmark script a command runs exists and
-takes each flag the command gives it, and every `tokenrouter` command's flags are its parser's."""
+"""The README, benchmarks/README.md and docs/ name only what exists: every repository path they
+mention is a file or folder (or the prefix of result files) of this checkout, every benchmark script a
+command runs exists and takes each flag the command gives it, and every `tokenrouter` command's flags
+are its parser's; every script under benchmarks/ is in benchmarks/README.md's studies."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from tokenrouter import cli
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A path of the checkout, bare or after "./" (not inside another path, a URL or a home folder).
 PATH = re.compile(r"(?:(?<=\./)|(?<![\w/.~$-]))((?:benchmarks|scripts|tokenrouter|tests|docs|examples)/[\w./*-]*\w)")
 FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
@@ -54,14 +55,14 @@ def options(parser: argparse.ArgumentParser, prefix: str = "") -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_path_a_document_names_exists(doc: Path) -> None:
     missing = [f"{doc.name}:{n}: {m.group(1)}" for n, line in enumerate(doc.read_text().splitlines(), 1)
                for m in PATH.finditer(line) if not exists(m.group(1).rstrip("."))]
     assert not missing
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_command_a_document_gives_runs_as_written(doc: Path) -> None:
     """Each benchmark script a command names exists and parses each flag given to it; each
     `tokenrouter SUBCOMMAND` flag belongs to that subcommand (or its own subcommand's)."""
@@ -82,6 +83,13 @@ def test_every_command_a_document_gives_runs_as_written(doc: Path) -> None:
             wrong += [f"tokenrouter {sub.group(1)} {flag}: {cmd}" for flag in FLAG.findall(rest)
                       if f"{sub.group(1)}:{flag}" not in known and (own is None or own + flag not in known)]
     assert not wrong
+
+
+def test_every_benchmark_script_belongs_to_a_study() -> None:
+    index = (ROOT / "benchmarks" / "README.md").read_text()
+    unlisted = [p.name for p in sorted((ROOT / "benchmarks").iterdir())
+                if p.suffix in (".py", ".sh") and f"benchmarks/{p.name}" not in index]
+    assert not unlisted
 
 
 def test_a_flag_no_script_or_subcommand_takes_is_caught(tmp_path: Path, monkeypatch) -> None:

@@ -4,10 +4,10 @@ rotary rotation, SiLU(gate) * up and the greedy argmax, each one C call instead 
 ops, built on first use (tokenrouter/models/native_build.py).
 
 Why: with the products on the skinny GEMM, a SmolLM2 decode step at batch 8 spent 12.4 of 53.3 ms
-outside the products (benchmarks/step_without_products.py), most of it in dispatching small ops:
-PyTorch's RMSNorm alone ran eight ops, 29 us a call for 8 x 576 floats. The layers call these where
-the model was given them (`LlamaForCausalLM.use_fused_ops`) and the input is a float32 CPU tensor of
-the plain layout; everything else keeps the PyTorch ops, which the tests compare them with.
+outside the products (benchmarks/step_without_products.py, in git history), most of it in dispatching
+small ops: PyTorch's RMSNorm alone ran eight ops, 29 us a call for 8 x 576 floats. The layers call these
+where the model was given them (`LlamaForCausalLM.use_fused_ops`) and the input is a float32 CPU tensor
+of the plain layout; everything else keeps the PyTorch ops, which the tests compare them with.
 """
 
 from __future__ import annotations

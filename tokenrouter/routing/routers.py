@@ -61,7 +61,7 @@ class R2RRouter(nn.Module):
 
     The blocks' width defaults to a quarter of the hidden size: at full width (13M parameters for a
     512-wide model) the router cost a third of a 30M model's decode step; a quarter costs a few percent
-    (benchmarks/bench_router_cost.py)."""
+    (benchmarks/bench_router_cost.py, in git history)."""
 
     kind = "r2r"
 

@@ -3,10 +3,10 @@
     OMP_NUM_THREADS=1 .venv/bin/python -m tokenrouter.models.attention.microbench
     OMP_NUM_THREADS=1 .venv/bin/python -m tokenrouter.models.attention.microbench --context 1000
 
-Shapes default to the engine benchmark's decode steps (benchmarks/bench_engine.py: 30m Llama, 8 layers,
-8 query / 4 KV heads of 64, page size 16, KV pool of 64 x 272 tokens, batch 64). Pages are handed out
-in a random order, so each request's pages are scattered over the pool, and every layer has its own
-pool slice, so K/V reads come from memory rather than cache, as in the engine.
+Shapes default to a 30m Llama's decode steps (8 layers, 8 query / 4 KV heads of 64, page size 16, KV
+pool of 64 x 272 tokens, batch 64). Pages are handed out in a random order, so each request's pages are
+scattered over the pool, and every layer has its own pool slice, so K/V reads come from memory rather
+than cache, as in the engine.
 """
 
 from __future__ import annotations
