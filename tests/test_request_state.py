@@ -17,10 +17,10 @@ def engine_req(rid: str) -> Req:
 
 
 def two_live() -> tuple[RequestStates, dict[str, Req]]:
-    states = RequestStates()
-    states.start("a", RequestState(traced=True))
-    states.start("b", RequestState(alone=True))
     reqs = {"a": engine_req("a"), "b": engine_req("b")}
+    states = RequestStates()
+    states.start(RequestState(reqs["a"], traced=True))
+    states.start(RequestState(reqs["b"], alone=True))
     states.check_integrity(reqs)
     return states, reqs
 
@@ -33,6 +33,10 @@ def test_a_record_without_an_engine_request_and_the_converse_are_caught():
     states, reqs = two_live()
     reqs["c"] = engine_req("c")
     with pytest.raises(AssertionError, match="records"):
+        states.check_integrity(reqs)
+    states, reqs = two_live()
+    reqs["b"] = engine_req("b")  # the rid started again in the engine, the record left from before
+    with pytest.raises(AssertionError, match="the record of another request"):
         states.check_integrity(reqs)
 
 
@@ -70,17 +74,18 @@ def test_ending_a_record_frees_its_trace_and_its_counts():
 
 def test_a_trace_names_the_path_and_the_score_that_handed_the_position():
     scores = Scores([0.9, 0.2], [0.5, 0.5])
-    state = RequestState(traced=True)
+    state = RequestState(engine_req("a"), traced=True)
     assert state.token_trace(scores, 1) == Trace([], 0.2, 0.5)  # no hand-off before it: this model's score
     # Handed away without its token: the hand-off carries this model's score, the peer's token shows it.
     sent = state.handoff_trace("small", Route("large", keep=False), scores, 0)
     assert sent == Trace(["small", "large"], 0.9, 0.5)
-    peer = RequestState(traced=True)
+    peer = RequestState(engine_req("a"), traced=True)
     peer.received(sent)
     assert peer.token_trace(None, 0) == Trace(["small", "large"], 0.9, 0.5) and peer.incoming is None
     # Its token kept: the path starts at the writer, and the score went out with that token.
     assert state.handoff_trace("small", Route("large", keep=True), scores, 0) == Trace(["small", "large"])
-    alone = RequestState(traced=True, alone=True)  # written alone: never routed, so no score
+    alone = RequestState(engine_req("a"), traced=True, alone=True)  # written alone: never routed, so no score
     assert alone.token_trace(scores, 0) == Trace([])
-    assert RequestState().token_trace(scores, 0) is None
-    assert RequestState().handoff_trace("small", Route("large", keep=False), scores, 0) is None
+    untraced = RequestState(engine_req("a"))
+    assert untraced.token_trace(scores, 0) is None
+    assert untraced.handoff_trace("small", Route("large", keep=False), scores, 0) is None

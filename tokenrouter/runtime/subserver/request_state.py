@@ -26,11 +26,13 @@ class RequestState:
     """One live request on this model.
 
     Invariants (RequestStates.check_integrity):
-    - it lives exactly as long as the engine's request of the same rid (between messages and steps);
+    - it lives exactly as long as `req` is the engine's live request of its rid (between messages and
+      steps): it outlives it only while the subserver ends the request;
     - `at_peer` exactly while the engine's request is at a peer (Req.at_peer);
     - `incoming` only on a traced request.
     """
 
+    req: Req  # the engine's request: the algorithm's on_finish needs it after the engine let it go
     known: dict[str, int] = field(default_factory=dict)  # peer -> how many of its tokens that peer holds
     handoffs: int = 0  # its hand-offs so far (every model's, as last seen here)
     at_peer: bool = False  # handed to a peer and not back (PENDING here, or first running its look-ahead row)
@@ -41,12 +43,12 @@ class RequestState:
     traced: bool = False  # it asked for a per-token trace (routing.trace)
     incoming: Trace | None = None  # what the hand-off that brought it here carried, until a token or hand-off uses it
 
-    def end_pending(self, req: Req | None, now: float) -> float:
-        """It is back (or gone; req, before the engine resumes or drops it): the seconds it was
-        PENDING, 0 if it was not. They run from when the engine made it PENDING, not from the
-        hand-off: a look-ahead row may have run here in between."""
+    def end_pending(self, now: float) -> float:
+        """It is back (or gone; before the engine resumes or drops it): the seconds it was PENDING, 0
+        if it was not. They run from when the engine made it PENDING, not from the hand-off: a
+        look-ahead row may have run here in between."""
         at_peer, self.at_peer = self.at_peer, False
-        return req.pending_seconds(now) if at_peer and req is not None else 0.0
+        return self.req.pending_seconds(now) if at_peer else 0.0
 
     def received(self, trace: Trace | None) -> None:
         if trace is not None and self.traced:
@@ -91,7 +93,8 @@ class RequestStates:
         self.prompt_logprobs_due = 0
         self.traced = 0
 
-    def start(self, rid: str, state: RequestState) -> None:
+    def start(self, state: RequestState) -> None:
+        rid = state.req.rid
         assert rid not in self.live, f"request {rid} started twice"
         self.live[rid] = state
         self.alone += state.alone
@@ -129,7 +132,8 @@ class RequestStates:
         assert self.live.keys() == reqs.keys(), (f"records {sorted(self.live)} but live requests "
                                                  f"{sorted(reqs)}")
         for rid, state in self.live.items():
-            pending = reqs[rid].at_peer
+            assert state.req is reqs[rid], f"{rid}: the record of another request of that id"
+            pending = state.req.at_peer
             assert pending == state.at_peer, f"{rid}: at a peer {pending}, {state}"
             assert state.traced or state.incoming is None, f"{rid}: a trace on an untraced request, {state}"
         live = self.live.values()

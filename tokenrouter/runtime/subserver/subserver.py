@@ -201,9 +201,7 @@ class Subserver:
             handler(msg)
 
     def _on_add_req(self, msg: AddReq) -> None:
-        self._start(msg.rid, msg.tokens, msg.params, msg.seed, msg.routing,
-                    RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None, alone=msg.alone,
-                                 traced=msg.trace))
+        self._start(msg.rid, msg.tokens, msg.params, msg.seed, msg.routing, msg.trace, alone=msg.alone)
 
     def _on_peer(self, msg: Peer) -> None:
         for item in msg.items:
@@ -244,8 +242,6 @@ class Subserver:
         """End a request this model failed on: drop it here, count it under `stage` and tell the entry
         (which aborts it on every peer). The cause is in this process's log, never in the message."""
         self.request_errors[stage] += 1
-        if rid in self.engine.reqs:
-            self.engine.abort(rid)
         self._end(rid)
         message = message or f"the model {self.name!r} failed on this request"
         self.io.send(self.io.to_entry, ReqError(self.name, rid, message))
@@ -258,40 +254,41 @@ class Subserver:
 
     # ---- a request's start and end on this model ----------------------------------------------
     def _start(self, rid: str, tokens: list[int], params: SamplingParams, seed: int, routing: dict[str, Any],
-               state: RequestState, prompt_len: int | None = None, drafts: int = 0,
-               loose: LooseVerify | None = None) -> bool:
+               traced: bool, alone: bool = False, prompt_len: int | None = None, drafts: int = 0,
+               loose: LooseVerify | None = None) -> RequestState | None:
         """The one way a request starts here, from the entry (AddReq) or on its first visit from a
-        peer: the engine's request, its record `state`, then the algorithm's on_start. Whether it
-        started; if not, the entry was told."""
+        peer: the engine's request, its record, then the algorithm's on_start. Its record, or None
+        if it did not start (the entry was told why)."""
         try:
             req = self.engine.add_request(tokens, params, rid=rid, seed=seed, prompt_len=prompt_len, drafts=drafts,
                                           loose=loose)
         except ValueError as e:
             self.io.send(self.io.to_entry, ReqError(self.name, rid, str(e)))
-            return False
-        self.states.start(rid, state)
+            return None
+        # A peer's first hand-off carries no prompt logprobs (Subserver._handoff): only the entry's model owes them.
+        state = RequestState(req, prompt_logprobs_due=params.prompt_logprobs is not None, alone=alone, traced=traced)
+        self.states.start(state)
         try:
             self.algorithm.start(req, routing)
         except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
             logger.exception("%s: %s.on_start failed on request %s", self.name, self.algorithm.name, rid)
             self._algorithm_failed(rid, "on_start")
-            return False
-        return True
+            return None
+        return state
 
     def _end(self, rid: str) -> RequestState | None:
         """The one way a request ends here, whatever ended it (finished here or on a peer, aborted,
-        failed): the algorithm's on_finish while the engine still holds it, then its record (its
-        trace with it) and the engine's request go. Its record, None if it had none (already ended)."""
-        req = self.engine.reqs.get(rid)  # None once the engine let it go: on_finish is not called here then
-        if req is not None:
-            try:
-                self.algorithm.finish(req)
+        failed, the engine's request live or already let go): the algorithm's on_finish, then its
+        record (its trace with it) and the engine's request go. Its record, None if it had none
+        (never started here, or already ended)."""
+        state = self.states.end(rid)
+        if state is not None:
+            try:  # once per request: a no-op when _finished already told the algorithm (RoutingAlgorithm.finish)
+                self.algorithm.finish(state.req)
             except Exception:  # noqa: BLE001 - the request ends here anyway; its record is forgotten
                 logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, rid)
                 self.request_errors["on_finish"] += 1
-        state = self.states.end(rid)
-        if state is not None:
-            self.pending_seconds += state.end_pending(req, time.monotonic())
+            self.pending_seconds += state.end_pending(time.monotonic())
         self.engine.abort(rid)
         return state
 
@@ -323,13 +320,13 @@ class Subserver:
                 self.io.send(self.io.to_entry,
                              ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
                 return
-            state = RequestState(traced=msg.first.trace)
-            if not self._start(rid, peer.suffix, msg.first.params, msg.first.seed, msg.first.routing, state,
-                               msg.first.prompt_len, peer.draft, peer.loose):
+            state = self._start(rid, peer.suffix, msg.first.params, msg.first.seed, msg.first.routing,
+                                msg.first.trace, prompt_len=msg.first.prompt_len, drafts=peer.draft, loose=peer.loose)
+            if state is None:
                 return
         else:
             state = self.states.live[rid]
-            self.pending_seconds += state.end_pending(eng.reqs[rid], time.monotonic())
+            self.pending_seconds += state.end_pending(time.monotonic())
             answered = eng.receive(rid, peer.loc, peer.suffix, peer.draft, peer.loose)
             if answered is not None:
                 self.answered.append(answered)
