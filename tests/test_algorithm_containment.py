@@ -9,9 +9,10 @@ import time
 
 import pytest
 from engine_utils import prompts_of
-from routing_utils import group_dict, write_picky
+from routing_utils import Rig, group_dict, write_picky
 
 from tokenrouter.routed_llm import RoutedLLM
+from tokenrouter.runtime.messages import AddReq, ReqError
 from tokenrouter.sampling_params import SamplingParams
 
 N = 12
@@ -71,3 +72,21 @@ def test_one_request_the_algorithm_fails_on_fails_alone(llm, reference, stage):
         assert time.monotonic() < deadline, f"(live requests, pages in use) left: {idle(llm)}"
         time.sleep(0.1)
     assert all(p.is_alive() for p in llm.entry.procs.values())
+
+
+@pytest.mark.parametrize("stage", ["route", "send", "receive", "on_start", "on_finish"])
+def test_a_request_failed_here_is_forgotten_by_the_algorithm(pair_paths, tmp_path, stage):
+    """In-process subservers: a request the algorithm fails on ends through the same funnel as any
+    other, so its on_finish runs (at most once) and no model keeps its parameters or its record."""
+    rig = Rig(pair_paths, 0.5, algorithm={"name": write_picky(tmp_path), "p": 0.5})
+    try:
+        params = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+        rig.send("small", AddReq("bad", PROMPTS[0], params, 3, {"p": 0.5, "fail_in": stage}))
+        rig.pump(lambda: any(isinstance(m, ReqError) and m.rid == "bad" for m in rig.msgs), "the failure")
+        rig.abort("bad")  # as the entry does on a ReqError
+        rig.settle()
+        for name in ("small", "large"):
+            rig.assert_clean(name)
+            assert rig.subs[name].algorithm.params_of == {}, (name, rig.subs[name].algorithm.params_of)
+    finally:
+        rig.close()

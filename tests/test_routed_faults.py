@@ -13,7 +13,8 @@ from routing_utils import build_pair, find_seed, group_dict
 
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.runtime.entry.entry import SubserverDied
-from tokenrouter.runtime.entry.reassembly import TokenOut
+from tokenrouter.runtime.entry.reassembly import Done, TokenOut
+from tokenrouter.runtime.messages import Finished, TokenEvent, Tokens
 from tokenrouter.sampling_params import SamplingParams
 
 P = 0.3
@@ -155,6 +156,27 @@ def test_bad_request_in_a_batch_aborts_the_good_ones(llm):
     assert_no_live_requests(llm)
     (out,) = llm.generate(prompt_token_ids=[good], sampling_params=greedy(6), use_tqdm=False, timeout=60)
     assert len(out.outputs[0].token_ids) == 6
+
+
+def test_a_reused_rid_never_meets_its_earlier_admissions_messages(llm):
+    entry = llm.entry
+    prompt = prompts_of([6], seed=26)[0]
+    first = entry.add(prompt, greedy(8), rid="again")
+    entry.abort("again")
+    second = entry.add(prompt, greedy(8), rid="again")
+    assert first.wire != second.wire and entry.reqs == {"again": second}
+    # What a subserver may still send of the first admission: found by neither wire id nor rid.
+    events: list = []
+    entry._on_tokens(Tokens("small", [TokenEvent(first.wire, len(prompt), 7)], {first.wire: 3}), events)
+    entry._on_finished(Finished(first.wire, "small", "stop", None, len(prompt) + 1), events)
+    assert events == [] and second.final is None and second.out.handoffs == 0 and not second.out.tokens
+    deadline = time.monotonic() + 60
+    while not any(isinstance(ev, Done) for ev in events):
+        assert time.monotonic() < deadline, "the second admission did not finish"
+        events += entry.poll(0.05)
+    tokens = [ev for ev in events if isinstance(ev, TokenOut)]
+    assert events[-1].finish_reason == "length" and len(tokens) == 8 and not entry.reqs
+    assert_no_live_requests(llm)
 
 
 # ---- stop strings at the entry ---------------------------------------------------------------------

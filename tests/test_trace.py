@@ -95,7 +95,7 @@ def test_scores_follow_each_algorithms_rule(kind, pair_paths, routers):
         rig.settle()
         for name in ("small", "large"):
             rig.assert_clean(name)
-            assert not rig.subs[name].attribution.traced and not rig.subs[name].states.live
+            assert not rig.subs[name].states.live and rig.subs[name].states.traced == 0
     finally:
         rig.close()
 

@@ -55,7 +55,7 @@ class EntryReq:
     """One request at the entry: its plan, its output as reassembled, and how it ended."""
 
     rid: str  # the caller's id
-    wire: str  # the id on the wire: unique per admission, so a reused rid never meets stale messages
+    wire: str  # the id on the wire, `rid#n` for its admission n: a reused rid never meets stale messages
     plan: AdmittedPlan
     out: Reassembly
     final: Finished | None = None  # the subservers' finish, once it came
@@ -91,8 +91,7 @@ class Entry:
                            if group.adapt is not None else None)
         self.visit = self.algorithm.may_visit()
         self.pool = SubserverPool(group)
-        self.reqs: dict[str, EntryReq] = {}  # by caller's rid
-        self._by_wire: dict[str, EntryReq] = {}
+        self.reqs: dict[str, EntryReq] = {}  # the live requests, by caller's rid (by wire id: _by_wire)
         self._wire_seq = 0
         self._next_rid = 0
         self._closed = False
@@ -195,7 +194,6 @@ class Entry:
         req = EntryReq(rid, f"{rid}#{self._wire_seq}", plan, Reassembly.of(rid, plan, self.tokenizer,
                                                                            self.detokenize))
         self.reqs[rid] = req
-        self._by_wire[req.wire] = req
         self.admission.push(req)
         self._admit()
         return req
@@ -239,7 +237,6 @@ class Entry:
         req.finish_time = time.monotonic()
         req.out.finish()
         self.reqs.pop(req.rid, None)
-        self._by_wire.pop(req.wire, None)
         if self.adaptation is not None:
             self.adaptation.finish(req.wire)
         if req.admitted:
@@ -279,27 +276,34 @@ class Entry:
         self.pool.check_alive()
         return events
 
+    def _by_wire(self, wire: str) -> EntryReq | None:
+        """The live request a subserver's message names. Its rid is the wire id's head (enqueue), so
+        `reqs` is the one index; the whole id tells this admission from an earlier one of a reused rid,
+        whose late messages are dropped."""
+        req = self.reqs.get(wire.rpartition("#")[0])
+        return req if req is not None and req.wire == wire else None
+
     def _on_tokens(self, msg: Tokens, events: list[TokenOut | Done]) -> None:
         if msg.answered and self.planner is not None:
             self.planner.answered(len(msg.items))
         for wire, n in msg.handoffs.items():
-            req = self._by_wire.get(wire)
+            req = self._by_wire(wire)
             if req is not None:
                 req.out.handoffs = max(req.out.handoffs, n)
         for item in msg.items:
-            req = self._by_wire.get(item.rid)
+            req = self._by_wire(item.rid)
             if req is not None:
                 req.out.put(item, msg.model)
                 self._advance(req, events)
 
     def _on_prompt_logprobs(self, msg: PromptLogprobs, events: list[TokenOut | Done]) -> None:
-        req = self._by_wire.get(msg.rid)
+        req = self._by_wire(msg.rid)
         if req is not None:
             req.out.prompt_logprobs = (msg.logprobs, msg.top_logprobs)
             self._advance(req, events)
 
     def _on_finished(self, msg: Finished, events: list[TokenOut | Done]) -> None:
-        req = self._by_wire.get(msg.rid)
+        req = self._by_wire(msg.rid)
         if req is not None:
             req.final = msg
             req.out.handoffs = max(req.out.handoffs, msg.handoffs)
@@ -308,7 +312,7 @@ class Entry:
     def _on_req_error(self, msg: ReqError, events: list[TokenOut | Done]) -> None:
         if msg.rid is None:
             raise SubserverDied(f"subserver {msg.model!r} failed: {msg.message}")
-        req = self._by_wire.get(msg.rid)
+        req = self._by_wire(msg.rid)
         if req is not None:
             req.error = f"{msg.model}: {msg.message}"
             self._end(req, "error")

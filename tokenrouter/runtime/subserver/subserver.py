@@ -2,8 +2,9 @@
 
 Decode loop: schedule -> forward -> route -> commit or send. Inter-model loop: PeerReqs out and in
 (drained between steps) through the sockets of runtime/subserver/sockets.py; each live request's
-hand-off state is a RequestState (runtime/subserver/request_state.py). The scheduler and engine know nothing of
-sockets; this file is the only place that joins them.
+record is a RequestState (runtime/subserver/request_state.py), its hand-off state and trace. A request
+starts here only through Subserver._start and ends only through Subserver._end. The scheduler and
+engine know nothing of sockets; this file is the only place that joins them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from tokenrouter.engine.engine import Engine, StepFailed
 from tokenrouter.engine.latency_model import InterferenceClock, LatencyModelRunner
 from tokenrouter.engine.launch_policy import EagerLaunch, LaunchPolicy, ThresholdLaunch, Thresholds
 from tokenrouter.engine.model_runner import StepOutput
-from tokenrouter.engine.req import Req
+from tokenrouter.engine.req import LooseVerify, Req
 from tokenrouter.engine.step_board import CoreShare, StepBoard
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.models import quantized_linear
@@ -51,10 +52,10 @@ from tokenrouter.runtime.messages import (
     Trace,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.subserver.attribution import Attribution
 from tokenrouter.runtime.subserver.containment import checked_route, route_each
 from tokenrouter.runtime.subserver.request_state import RequestState, RequestStates
 from tokenrouter.runtime.subserver.sockets import SubserverSockets
+from tokenrouter.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +98,7 @@ class Subserver:
         self.answered: list[StepOutput] = []  # rows a look-ahead sampled, for requests that came back
         self.io = SubserverSockets(self.name, group.curve_keys(), bind_address, entry_address, advertise_host,
                                    watch_entry)
-        self.states = RequestStates()  # each live request's hand-off state; the aborted rids
-        self.attribution = Attribution(self.name)  # the requests that asked for a per-token trace
+        self.states = RequestStates()  # each live request's record; the aborted rids
         self.running = True
         self.handoffs_sent = self.pending_periods = self.tokens_written = 0
         self.aborted_requests = 0  # live requests ended here by an Abort (a client gone, a time limit, a peer failed)
@@ -165,10 +165,10 @@ class Subserver:
             self.running = False
         self.states.forget_old_aborts(now)
         if not self.engine.scheduler.has_work() and not self.engine.reqs:
-            self.check_integrity()  # idle: no page and no request state may be left behind
+            self.check_integrity()  # idle: no page and no request record may be left behind
 
     def check_integrity(self) -> None:
-        """The engine's invariants and the hand-off state's (request_state.py), between messages and steps."""
+        """The engine's invariants and the request records' (request_state.py), between messages and steps."""
         self.engine.check_integrity()
         self.states.check_integrity(self.engine.reqs)
 
@@ -201,16 +201,7 @@ class Subserver:
             handler(msg)
 
     def _on_add_req(self, msg: AddReq) -> None:
-        try:
-            req = self.engine.add_request(msg.tokens, msg.params, rid=msg.rid, seed=msg.seed)
-        except ValueError as e:
-            self.io.send(self.io.to_entry, ReqError(self.name, msg.rid, str(e)))
-            return
-        self.states.start(msg.rid, RequestState(prompt_logprobs_due=msg.params.prompt_logprobs is not None,
-                                                alone=msg.alone))
-        if msg.trace:
-            self.attribution.start(msg.rid, scored=not msg.alone)
-        self._start(req, msg.routing)
+        self._start(msg.rid, msg.tokens, msg.params, msg.seed, msg.routing, msg.trace, alone=msg.alone)
 
     def _on_peer(self, msg: Peer) -> None:
         for item in msg.items:
@@ -224,7 +215,7 @@ class Subserver:
         self.states.abort(msg.rid, time.monotonic())
         if msg.rid in self.engine.reqs:
             self.aborted_requests += 1
-        self._drop(msg.rid)
+        self._end(msg.rid)
 
     def _on_active(self, msg: Active) -> None:
         self.launch.group_active = msg.n
@@ -251,9 +242,7 @@ class Subserver:
         """End a request this model failed on: drop it here, count it under `stage` and tell the entry
         (which aborts it on every peer). The cause is in this process's log, never in the message."""
         self.request_errors[stage] += 1
-        if rid in self.engine.reqs:
-            self.engine.abort(rid)
-        self._drop(rid)
+        self._end(rid)
         message = message or f"the model {self.name!r} failed on this request"
         self.io.send(self.io.to_entry, ReqError(self.name, rid, message))
 
@@ -263,26 +252,45 @@ class Subserver:
         self._fail(rid, stage, f"the routing algorithm {self.algorithm.name!r} failed on this request "
                                f"(in {stage} on model {self.name!r})")
 
-    def _start(self, req: Req, routing: dict[str, Any]) -> None:
+    # ---- a request's start and end on this model ----------------------------------------------
+    def _start(self, rid: str, tokens: list[int], params: SamplingParams, seed: int, routing: dict[str, Any],
+               traced: bool, alone: bool = False, prompt_len: int | None = None, drafts: int = 0,
+               loose: LooseVerify | None = None) -> RequestState | None:
+        """The one way a request starts here, from the entry (AddReq) or on its first visit from a
+        peer: the engine's request, its record, then the algorithm's on_start. Its record, or None
+        if it did not start (the entry was told why)."""
+        try:
+            req = self.engine.add_request(tokens, params, rid=rid, seed=seed, prompt_len=prompt_len, drafts=drafts,
+                                          loose=loose)
+        except ValueError as e:
+            self.io.send(self.io.to_entry, ReqError(self.name, rid, str(e)))
+            return None
+        # A peer's first hand-off carries no prompt logprobs (Subserver._handoff): only the entry's model owes them.
+        state = RequestState(req, prompt_logprobs_due=params.prompt_logprobs is not None, alone=alone, traced=traced)
+        self.states.start(state)
         try:
             self.algorithm.start(req, routing)
         except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
-            logger.exception("%s: %s.on_start failed on request %s", self.name, self.algorithm.name, req.rid)
-            self._algorithm_failed(req.rid, "on_start")
+            logger.exception("%s: %s.on_start failed on request %s", self.name, self.algorithm.name, rid)
+            self._algorithm_failed(rid, "on_start")
+            return None
+        return state
 
-    def _drop(self, rid: str) -> None:
-        req = self.engine.reqs.get(rid)
-        if req is not None:
-            try:
-                self.algorithm.finish(req)
-            except Exception:  # noqa: BLE001 - the request ends here anyway; its state is forgotten
-                logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, rid)
-                self.request_errors["on_finish"] += 1
+    def _end(self, rid: str) -> RequestState | None:
+        """The one way a request ends here, whatever ended it (finished here or on a peer, aborted,
+        failed, the engine's request live or already let go): the algorithm's on_finish, then its
+        record (its trace with it) and the engine's request go. Its record, None if it had none
+        (never started here, or already ended)."""
         state = self.states.end(rid)
         if state is not None:
-            self.pending_seconds += state.end_pending(req, time.monotonic())
+            try:  # once per request: a no-op when _finished already told the algorithm (RoutingAlgorithm.finish)
+                self.algorithm.finish(state.req)
+            except Exception:  # noqa: BLE001 - the request ends here anyway; its record is forgotten
+                logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, rid)
+                self.request_errors["on_finish"] += 1
+            self.pending_seconds += state.end_pending(time.monotonic())
         self.engine.abort(rid)
-        self.attribution.forget(rid)
+        return state
 
     def _receive(self, sender: str, msg: Handoff) -> None:
         try:
@@ -299,10 +307,10 @@ class Subserver:
             for other in state.known if state is not None else ():
                 if other != sender:
                     self.io.send(self.io.to_peer[other], Peer(self.name, [_finish_notice(rid)]))
-            self._drop(rid)
+            self._end(rid)
             return
         if rid in self.states.aborted:
-            self._drop(rid)
+            self._end(rid)
             return
         eng = self.engine
         if rid not in eng.reqs:
@@ -312,23 +320,13 @@ class Subserver:
                 self.io.send(self.io.to_entry,
                              ReqError(self.name, rid, f"first visit of {rid} starts at {peer.loc}"))
                 return
-            try:
-                req = eng.add_request(peer.suffix, msg.first.params, rid=rid, seed=msg.first.seed,
-                                      prompt_len=msg.first.prompt_len, drafts=peer.draft,
-                                      loose=peer.loose)
-            except ValueError as e:
-                self.io.send(self.io.to_entry, ReqError(self.name, rid, str(e)))
+            state = self._start(rid, peer.suffix, msg.first.params, msg.first.seed, msg.first.routing,
+                                msg.first.trace, prompt_len=msg.first.prompt_len, drafts=peer.draft, loose=peer.loose)
+            if state is None:
                 return
-            self.states.start(rid, RequestState())
-            if msg.first.trace:
-                self.attribution.start(rid)
-            self._start(req, msg.first.routing)
-            if rid not in eng.reqs:
-                return  # on_start failed on it
-            state = self.states.live[rid]
         else:
             state = self.states.live[rid]
-            self.pending_seconds += state.end_pending(eng.reqs[rid], time.monotonic())
+            self.pending_seconds += state.end_pending(time.monotonic())
             answered = eng.receive(rid, peer.loc, peer.suffix, peer.draft, peer.loose)
             if answered is not None:
                 self.answered.append(answered)
@@ -336,7 +334,7 @@ class Subserver:
         state.drafted = 0  # the hand-back cut our drafts where the peer stopped accepting them
         state.drafter = sender if peer.draft else None
         state.handoffs = msg.handoffs
-        self.attribution.received(rid, msg.trace)
+        state.received(msg.trace)
 
     def _step(self) -> bool:
         """Run one step if the scheduler launches one; whether it did."""
@@ -368,10 +366,10 @@ class Subserver:
         eng = self.engine
         tracing = timed is not None
         t1 = time.perf_counter()
+        live = self.states.live
         routes: list[Route | None]
         try:
-            routes, scores = checked_route(self.algorithm, self.name, out,
-                                           traced=self.attribution.traced and self.attribution.wants(out.reqs))
+            routes, scores = checked_route(self.algorithm, self.name, out, traced=self.states.any_traced(out.reqs))
         except Exception:  # noqa: BLE001 - the routing failed, not the model: find the requests it fails on
             logger.exception("%s: %s.route failed on a batch of %d; routing each alone", self.name,
                              self.algorithm.name, len(out.reqs))
@@ -379,7 +377,6 @@ class Subserver:
             for req, route in zip(out.reqs, routes):
                 if route is None:
                     self._algorithm_failed(req.rid, "route")
-        live = self.states.live
         if self.states.alone:
             routes = [STAY if route is not None and live[r.rid].alone else route for r, route in zip(out.reqs, routes)]
         # A request samples once its prefill is done, so its prompt logprobs are complete: they go out
@@ -396,11 +393,12 @@ class Subserver:
         events: list[TokenEvent] = []
         drafted: dict[str, list[TokenEvent]] = {}  # drafter -> the drafts this step accepted from it
         finished: list[Req] = []
-        handoffs: list[tuple[Req, str]] = []
+        handoffs: list[tuple[Req, str, Trace | None]] = []  # with what each hand-off's trace carries
         for i, (req, tok, route) in enumerate(zip(out.reqs, out.token_ids, routes)):
             if route is None:
                 continue  # failed in route
-            if out.accepted is not None and live[req.rid].drafter is not None:
+            state = live[req.rid]
+            if out.accepted is not None and state.drafter is not None:
                 try:
                     self._accept_drafts(req, now, drafted)
                 except Exception:  # noqa: BLE001 - fail this request, not the step
@@ -412,14 +410,14 @@ class Subserver:
                     continue
             if route.draft:
                 eng.append_draft(req, tok)
-                live[req.rid].drafted += 1
+                state.drafted += 1
                 if route.dest is not None:
-                    handoffs.append((req, route.dest))
+                    handoffs.append((req, route.dest, None))
                 continue
             if route.dest is None or route.keep:
                 try:  # stop strings, grammar: per-request work that may raise on this request's data
                     eng.append_token(req, tok, now, out, i)
-                    trace = self.attribution.token(req.rid, scores, i) if self.attribution.traced else None
+                    trace = state.token_trace(scores, i)
                     if trace is not None and out.rejected is not None:
                         trace.rejected = out.rejected[i]
                     event = self._event(req, out, i, trace)
@@ -432,13 +430,11 @@ class Subserver:
                     finished.append(req)
                     continue
             if route.dest is not None:
-                if self.attribution.traced:
-                    self.attribution.handing(req.rid, route, scores, i)
-                handoffs.append((req, route.dest))
+                handoffs.append((req, route.dest, state.handoff_trace(self.name, route, scores, i)))
         t3 = time.perf_counter() if tracing else 0.0
         self.tokens_written += len(events)
         counts = {}
-        for req, _ in handoffs:
+        for req, _, _ in handoffs:
             state = live[req.rid]
             state.handoffs += 1
             counts[req.rid] = state.handoffs
@@ -455,9 +451,9 @@ class Subserver:
             self.io.send_later(self.io.to_peer[peer], Peer(self.name, items))
         t5 = time.perf_counter() if tracing else 0.0
         batches: dict[str, list[Handoff]] = {}  # one message per peer and step
-        for req, dest in handoffs:
+        for req, dest, trace in handoffs:
             try:
-                item = self._handoff(req, dest)
+                item = self._handoff(req, dest, trace)
             except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
                 logger.exception("%s: %s.send failed on request %s", self.name, self.algorithm.name, req.rid)
                 self._algorithm_failed(req.rid, "send")
@@ -484,7 +480,7 @@ class Subserver:
         state.known[drafter] = min(state.known[drafter], len(req.tokens))
         n = self.engine.accept_drafts(req, now)
         end = len(req.tokens)
-        trace = Trace([]) if req.rid in self.attribution.traced else None
+        trace = Trace([]) if state.traced else None
         drafted.setdefault(drafter, []).extend(
             TokenEvent(req.rid, pos, req.tokens[pos], None, None, trace) for pos in range(end - n, end))
 
@@ -500,23 +496,22 @@ class Subserver:
         """Tell the entry (in the next step's overlap), and add a finish notice for each peer that
         holds a copy to `notices`."""
         stop = req.stop_reason if isinstance(req.stop_reason, int) else None
-        self.attribution.forget(req.rid)
-        try:
+        try:  # here, not in _end: a failing on_finish fails a finished request (_end only logs it)
             self.algorithm.finish(req)
         except Exception:  # noqa: BLE001 - the algorithm failed on this request, not the model
             logger.exception("%s: %s.on_finish failed on request %s", self.name, self.algorithm.name, req.rid)
             self._algorithm_failed(req.rid, "on_finish")
             return
-        state = self.states.end(req.rid)
-        assert state is not None, f"{req.rid} finished with no state"
+        state = self._end(req.rid)
+        assert state is not None, f"{req.rid} finished with no record"
         self.io.send_later(self.io.to_entry, Finished(req.rid, self.name, req.finish_reason or "stop", stop,
                                                       len(req.tokens), state.handoffs))
         for peer in state.known:
             notices.setdefault(peer, []).append(_finish_notice(req.rid))
 
-    def _handoff(self, req: Req, dest: str) -> Handoff:
-        """Hand req to `dest` (PENDING here, or first its look-ahead row); its hand-off, to send with
-        the step's others."""
+    def _handoff(self, req: Req, dest: str, trace: Trace | None) -> Handoff:
+        """Hand req to `dest` (PENDING here, or first its look-ahead row), its hand-off carrying
+        `trace`; the hand-off, to send with the step's others."""
         if dest not in self.io.to_peer:
             raise ValueError(f"{self.algorithm.name} routed {req.rid} to unknown model {dest!r}")
         state = self.states.live[req.rid]
@@ -525,7 +520,7 @@ class Subserver:
         first = None
         if dest not in known:
             first = FirstVisit(req.prompt_len, dataclasses.replace(req.params, prompt_logprobs=None), req.seed,
-                               self.algorithm.params_of.get(req.rid, {}), req.rid in self.attribution.traced)
+                               self.algorithm.params_of.get(req.rid, {}), state.traced)
         peer = self.algorithm.send(req, dest, known.get(dest, 0))
         if state.drafted:
             if len(peer.suffix) < state.drafted or peer.loc + len(peer.suffix) != len(req.tokens):
@@ -537,7 +532,7 @@ class Subserver:
         self.pending_periods += 1
         self.handoffs_sent += 1
         known[dest] = peer.loc + len(peer.suffix)
-        return Handoff(peer, first, state.handoffs, self.attribution.sent(req.rid))
+        return Handoff(peer, first, state.handoffs, trace)
 
     def stats(self) -> Stats:
         eng = self.engine
