@@ -274,9 +274,10 @@ def throughput_curve(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, a
     no step). Such a hand-off never reaches L's queue, so the chain thins the hand-offs to
     p (1 - answered); the request misses the S step that started while its answer travelled, so an S
     step still yields 1 - p tokens per request (the answered token stands in for the missed step's);
-    and the look-ahead row behind each answered token rides on an L step as one more token of
-    catch-up (answered / (1 - answered) per queued visit). A first-order model (the chain keeps no
-    per-request state): docs/BENCHMARKS.md, "Look-ahead in the throughput model", measures it.
+    and the look-ahead rows ride on L's steps as rows of its batch: each queued visit's own last
+    token (its catch-up a token less) and the row behind each answered token, 1 / (1 - answered)
+    rows per queued visit. A first-order model (the chain keeps no per-request state; every row is
+    taken to ride): docs/BENCHMARKS.md, "Look-ahead in the throughput model", measures it.
     """
     return np.array([s.throughput for s in _solutions(n, p, lat_s, lat_l, alpha, q_l, overheads, answered)])
 
@@ -295,7 +296,7 @@ def _solutions(n: int, p: float, lat_s: LatencyLike, lat_l: LatencyLike, alpha: 
                              "plan spans without overheads, or with the simulator")
         # catch-up per queued visit: the S tokens of a decision's share p (1 - answered) that queues
         t_s, t_l = overheads.step_latencies(lat_s, lat_l, p * (1.0 - answered), q_l,
-                                            riding=answered / (1.0 - answered))
+                                            riding=1.0 / (1.0 - answered) if answered > 0 else 0.0)
         return continuous_curve(int(n), p_queued, t_s, t_l, alpha, handoff=overheads.handoff, keep=keep)
     emb = _build_embedded(int(n), p_queued, as_latency(lat_s), as_latency(lat_l), alpha, q_l, keep)
     return [_solve_from(emb, B) for B in range(1, n + 1)]

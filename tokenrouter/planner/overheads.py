@@ -47,12 +47,15 @@ class Overheads:
     def step_latencies(self, lat_s: LatencyLike, lat_l: LatencyLike, p: float, q_l: float = 0.0,
                        riding: float = 0.0) -> tuple[LatencyModel, LatencyModel]:
         """(t_S(b), t_L(b)) as the runtime sees them: profile latency + catch-up tokens + overhead.
-        `riding`: look-ahead rows per queued visit that L runs beyond the visits' own catch-up (the
-        rows behind the returns it answered without a step), charged as catch-up tokens."""
+        `riding`: look-ahead rows per queued visit of L (docs/DESIGN.md section 3), run as rows of
+        L's batch: the visit's own last token, run ahead, so its catch-up is a token less, and the
+        rows behind the returns L answered without a step."""
         s, lat = as_latency(lat_s), as_latency(lat_l)
         geometric = (1.0 - q_l) * (1.0 - p) / p if p > 0 else 0.0
-        l_extra = (geometric if self.catchup is None else self.catchup) + riding
+        l_extra = geometric if self.catchup is None else self.catchup
+        if riding > 0:
+            l_extra = max(l_extra - 1.0, 0.0)
         s_extra = p * q_l / (1.0 - q_l)
         s_eff = Function(lambda b: s(b) + self.s_overhead + self.s_token * s_extra * b)
-        l_eff = Function(lambda b: lat(b) + self.l_overhead + self.l_token * l_extra * b)
+        l_eff = Function(lambda b: lat(b + riding * b) + self.l_overhead + self.l_token * l_extra * b)
         return s_eff, l_eff
