@@ -73,7 +73,7 @@ def group(path: str, profile: dict, algorithm: str, params: dict, alpha: float) 
     return GroupConfig.from_dict({
         "models": [{"name": "small", "path": path, "kv_cache_tokens": 1 << 16, "max_running_requests": 64},
                    {"name": "large", "path": path, "kv_cache_tokens": 1 << 16, "max_running_requests": 64}],
-        # no look-ahead: the planner models none (docs/DESIGN.md 5.11)
+        # look-ahead off, as these figures were measured: the gaps alone against the chains (docs/DESIGN.md 5.12)
         "algorithm": {"name": algorithm, **params}, "launch": {"policy": "eager", "look_ahead": False},
         "executor": {"mode": "latency", "profile": prof}})
 
