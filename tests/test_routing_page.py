@@ -45,15 +45,28 @@ def pair(tmp_path_factory):
     return paths
 
 
-@pytest.fixture(scope="module")
-def server(pair, tmp_path_factory):
-    cfg = tmp_path_factory.mktemp("page-srv") / "group.yaml"
+def serve_pair(pair, folder, algorithm: str) -> ServerProcess:
+    cfg = folder / "group.yaml"
     cfg.write_text(
         f"name: {MODEL}\nmodels:\n"
         f"  - {{name: small, path: {pair['small']}, kv_cache_tokens: 8192, page_size: 4}}\n"
         f"  - {{name: large, path: {pair['large']}, kv_cache_tokens: 8192, page_size: 4}}\n"
-        "algorithm: {name: bernoulli, p: 0.3}\n")
-    srv = ServerProcess(["--config", str(cfg), "--api-key", KEY, "--grace-period", "5"])
+        f"algorithm: {algorithm}\n")
+    return ServerProcess(["--config", str(cfg), "--api-key", KEY, "--grace-period", "5"])
+
+
+@pytest.fixture(scope="module")
+def server(pair, tmp_path_factory):
+    srv = serve_pair(pair, tmp_path_factory.mktemp("page-srv"), "{name: bernoulli, p: 0.3}")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def speculative_server(pair, tmp_path_factory):
+    """The same pair under speculative decoding: the small model drafts runs of 3, the large one
+    keeps what it agrees with (random weights: it rejects often)."""
+    srv = serve_pair(pair, tmp_path_factory.mktemp("page-spec"), "{name: speculative, draft_tokens: 3}")
     yield srv
     srv.stop()
 
@@ -184,6 +197,15 @@ def extra() -> dict:
 @pytest.fixture
 def page(chromium, server, extra):
     """The page, the API key typed in."""
+    yield from open_page(chromium, server, extra)
+
+
+@pytest.fixture
+def speculative_page(chromium, speculative_server, extra):
+    yield from open_page(chromium, speculative_server, extra)
+
+
+def open_page(chromium, server, extra):
     ctx = chromium.new_context(viewport={"width": 1300, "height": 900}, bypass_csp=True)  # Playwright evaluates JS
     pg = ctx.new_page()
 
@@ -301,6 +323,35 @@ def test_token_markup_renders_as_text(page, extra, markup_token):
     assert page.evaluate("window.pwned") is None
     page.locator(".pane:nth-child(1) .tok").first.hover()
     assert json.dumps(MARKUP) in page.text_content("#tip")
+
+
+def test_page_strikes_out_the_drafts_the_large_model_rejected(speculative_page, speculative_server):
+    """Speculative decoding: each run of drafts the large model rejected is shown struck out where it
+    was rejected, with its tokens and text as the API's trace reports them, apart from the answer's
+    tokens; the pane counts the rejected drafts and runs."""
+    page = speculative_page
+    page.check("input[value=completion]")
+    page.fill("#prompt", "Once upon a time")
+    page.fill("#max-tokens", "24")
+    sent = run_on_page(page, "#run")
+    page.wait_for_selector(".pane:nth-child(1)[data-state=done]", timeout=30_000)
+    api = post(speculative_server, sent["path"], {**sent["body"], "stream": False, "ignore_eos": True}).json()
+    trace = api["choices"][0]["trace"]
+    runs = [t for t in trace if t["rejected"]]
+    assert runs, "the random pair's large model rejected no draft: nothing to show"
+    struck = page.eval_on_selector_all(
+        ".pane:nth-child(1) del.rejected", "els => els.map(e => ({...e.dataset, text: e.textContent}))")
+    assert [d["tokens"] for d in struck] == [" ".join(map(str, t["rejected"])) for t in runs]
+    assert [d["text"] for d in struck] == [t["rejected_text"] for t in runs]
+    assert {d["model"] for d in struck} == {"large"}
+    # each run stands just before the token the large model wrote in its place
+    order = page.eval_on_selector_all(".pane:nth-child(1) .answer > .tok, .pane:nth-child(1) .answer > del.rejected",
+                                      "els => els.map(e => e.tagName === 'DEL' ? 'x' : e.dataset.model)")
+    expected = [m for t in trace for m in (["x"] if t["rejected"] else []) + [t["model"]]]
+    assert order == expected
+    shown = spans(page, 1)
+    assert "".join(s["text"] for s in shown) == api["choices"][0]["text"]  # rejected drafts are no tokens
+    assert stat(page, 1, "rejected") == f"{sum(len(t['rejected']) for t in runs)} ({len(runs)})"
 
 
 def test_stop_aborts_the_request_on_the_server(page, server):
