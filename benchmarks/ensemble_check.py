@@ -102,7 +102,7 @@ def main() -> int:
         entry.close()
     best = max(rows, key=lambda r: r["measured"])
     mine = next(r for r in rows if r["planner"])
-    print(f"\n| thresholds (S, M, L) | measured tok/s | predicted (error) |")
+    print("\n| thresholds (S, M, L) | measured tok/s | predicted (error) |")
     print("|---|---:|---|")
     for r in rows:
         tag = " (planner's)" if r["planner"] else ""

@@ -15,10 +15,10 @@ from tokenrouter.planner.knob_controller import MIN_DECREASE, STEP_BACK, KnobCon
 from tokenrouter.routing import make_algorithm
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError
 from tokenrouter.runtime.adapt_config import AdaptConfig, AdaptConfigError, default_floor, knob_range
-from tokenrouter.runtime.entry.adaptation import AdaptState, Adaptation
+from tokenrouter.runtime.entry.adaptation import Adaptation, AdaptState
 from tokenrouter.runtime.entry.admission import AdmissionRules, AdmittedPlan, PoolSize
-from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.entry.tpot_window import TpotWindow, p99
+from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.sampling_params import SamplingParams
 
 TARGET_MS, WINDOW = 50.0, 10.0

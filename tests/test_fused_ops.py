@@ -27,7 +27,8 @@ def ops() -> fused_ops.FusedOps:
 @pytest.mark.parametrize("rows,dim", [(1, 576), (8, 64), (33, 17)])
 def test_rms_norm_with_and_without_residual(rows: int, dim: int) -> None:
     gen = torch.Generator().manual_seed(rows + dim)
-    x, res, w = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen), torch.randn(dim, generator=gen)
+    x, res = torch.randn(rows, dim, generator=gen), torch.randn(rows, dim, generator=gen)
+    w = torch.randn(dim, generator=gen)
     h, out = ops().rms_norm(x, w, 1e-5)
     assert h is x and torch.allclose(out, F.rms_norm(x, (dim,), w, eps=1e-5), rtol=1e-5, atol=1e-6)
     h, out = ops().rms_norm(x, w, 1e-5, res)

@@ -11,12 +11,10 @@ import json
 import shutil
 from pathlib import Path
 
+import gguf  # a dependency of tokenrouter: never skipped
 import numpy as np
 import pytest
 import torch
-
-import gguf  # a dependency of tokenrouter: never skipped
-
 from engine_utils import add, make_engine, max_logit_diff, run_to_end  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 

@@ -72,7 +72,8 @@ def test_sections_are_typed_and_the_yaml_shape_round_trips():
     assert (large.engine.kv_cache_tokens, large.engine.tp_size, large.engine.device) == (96, 2, "cpu")
     assert (small.engine.seed, large.engine.seed) == (7, 8)
     assert isinstance(cfg.launch, LaunchConfig) and cfg.launch.thresholds["large"](8) == 3
-    assert not cfg.launch.share_cores and GroupConfig.from_dict({"models": [{"name": "m", "path": "/x"}]}).launch.share_cores
+    assert not cfg.launch.share_cores
+    assert GroupConfig.from_dict({"models": [{"name": "m", "path": "/x"}]}).launch.share_cores
     assert isinstance(cfg.executor, ExecutorConfig) and isinstance(cfg.executor.profile, LatencyProfile)
     assert cfg.ray == RayConfig(address="auto", namespace="tr")
     d = cfg.to_dict()

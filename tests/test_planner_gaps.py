@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from tokenrouter.bench.trace_reader import Step, latency_ratio, request_legs, send_runs, visit_runs
-from tokenrouter.planner import Overheads, throughput_curve
+from tokenrouter.planner import Overheads, controller, throughput_curve
 from tokenrouter.planner.chain import best_thresholds
-from tokenrouter.planner import controller
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.planner.gaps import fit_runs, hazard
 from tokenrouter.planner.sim import simulate

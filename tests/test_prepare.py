@@ -82,7 +82,7 @@ def test_projected_embedding_keeps_the_top_directions():
 
 
 def test_operating_point_settings_reselect_without_retraining():
-    from tokenrouter.training.prepare import PrepareSettings, answered_problems, selection_problems, split_answers
+    from tokenrouter.training.prepare import PrepareSettings, answered_problems, selection_problems
 
     base, other = PrepareSettings(), PrepareSettings(selection_problems=32, max_share=0.5)
     for kind in ("citer", "r2r", "co_llm"):

@@ -139,7 +139,8 @@ def test_a_request_whose_logits_are_processed_is_written_by_the_verifier(rigs, p
 
 def test_drafts_are_verified_whole_when_the_prefill_is_chunked(rigs, paths):
     """A first visit's prompt and drafts run in chunks of 8: the last chunk keeps every verified row."""
-    rig = speculative_rig(rigs, paths, "large", draft_tokens=4, engine={"chunked_prefill_size": 8, "max_running_requests": 8})
+    rig = speculative_rig(rigs, paths, "large", draft_tokens=4,
+                          engine={"chunked_prefill_size": 8, "max_running_requests": 8})
     prompts = prompts_of([21, 26], seed=41)
     params = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
     got = serve(rig, prompts, SEEDS[:2], **params)

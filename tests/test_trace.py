@@ -58,7 +58,8 @@ def test_scores_follow_each_algorithms_rule(kind, pair_paths, routers):
         assert not calls and all(e.trace is None for _, e in plain)
         # A threshold in the middle of the scores seen, so both models write.
         first = run(rig, "probe", {}, trace=True)
-        mid = statistics.median(e.trace.score for m, e in first if m == "small" or e.trace.path[-2:] == ["small", "large"])
+        mid = statistics.median(e.trace.score for m, e in first
+                                if m == "small" or e.trace.path[-2:] == ["small", "large"])
         events = run(rig, "t", {KNOB[kind]: mid})
         assert calls
         writers = [m for m, _ in events]

@@ -11,9 +11,9 @@ from tqdm import tqdm
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
-from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.engine.req import Req
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, prompt_logprob_entries
+from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

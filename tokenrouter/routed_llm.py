@@ -10,12 +10,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenTrace, prompt_logprob_entries
+from tokenrouter.prompts import PromptType, prepare_requests
 from tokenrouter.runtime.entry.entry import Entry, EntryReq
+from tokenrouter.runtime.entry.reassembly import Done
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Stats
-from tokenrouter.runtime.entry.reassembly import Done
 from tokenrouter.sampling_params import SamplingParams
 
 

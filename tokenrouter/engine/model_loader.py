@@ -5,10 +5,9 @@ Under tensor parallelism each rank reads only its slice of each sharded tensor (
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
-
-import logging
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -87,9 +86,13 @@ def quantize(model: LlamaForCausalLM, path: str | Path, quantization: str) -> st
         values = weight.dequantize() if isinstance(weight, BlockWeight) else weight
         target = model.checkpoint_tensor(name)
         if target is None or not torch.equal(values, target):
-            what = "has no place in the model" if target is None else (
-                f"differs from the folder's float weights (largest difference {float((values - target).abs().max()):.3g})"
-                if values.shape == target.shape else f"has shape {tuple(values.shape)}, the model {tuple(target.shape)}")
+            if target is None:
+                what = "has no place in the model"
+            elif values.shape == target.shape:
+                gap = float((values - target).abs().max())
+                what = f"differs from the folder's float weights (largest difference {gap:.3g})"
+            else:
+                what = f"has shape {tuple(values.shape)}, the model {tuple(target.shape)}"
             raise ModelLoadError(f"{gguf}: tensor {name!r} {what}; the folder's two copies of the model disagree: "
                                  f"convert it again, or remove {GGUF_FILE} to serve the float weights")
     left = model.quantize_linear_weights(blocks)

@@ -192,7 +192,8 @@ def _merge_blocks(parts: list[Weight | None]) -> BlockWeight | None:
     if len(blocks) == 1:
         return blocks[0]
     mins = None if blocks[0].mins is None else torch.cat([b.mins for b in blocks if b.mins is not None])
-    return BlockWeight(blocks[0].kind, torch.cat([b.codes for b in blocks]), torch.cat([b.scales for b in blocks]), mins)
+    return BlockWeight(blocks[0].kind, torch.cat([b.codes for b in blocks]), torch.cat([b.scales for b in blocks]),
+                       mins)
 
 
 class LlamaForCausalLM(nn.Module):

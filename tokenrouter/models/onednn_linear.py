@@ -19,8 +19,6 @@ reaches its plateau before serving starts.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 MAX_EXACT_ROWS = 64

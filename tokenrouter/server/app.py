@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from tokenrouter.runtime.entry.adaptation import AdaptState
-from tokenrouter.version import __version__
 from tokenrouter.server.async_entry import TokenOut
 from tokenrouter.server.chat import ChatTemplateError, SpecialTokens, encode_chat, special_token_texts
 from tokenrouter.server.choices import ChoiceRunner
@@ -42,6 +41,7 @@ from tokenrouter.server.protocol import (
     validation_message,
 )
 from tokenrouter.server.runtime_switch import Runtime
+from tokenrouter.version import __version__
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -173,8 +173,8 @@ class OpenAIServer:
         prompts = body.prompts(self.cfg.limits)
         encoded = await self.off_loop(lambda: [list(self.tokenizer.encode(p)) if isinstance(p, str) else list(p)
                                                for p in prompts], sum(len(p) for p in prompts))
-        gens = self.choices.submit_choices(encoded, n, body.sampling(body.max_tokens, body.logprobs, body.prompt_logprobs),
-                                           body.routing)
+        sampling = body.sampling(body.max_tokens, body.logprobs, body.prompt_logprobs)
+        gens = self.choices.submit_choices(encoded, n, sampling, body.routing)
         rid, created = gens[0].stream.rid, int(time.time())
         want_lp = body.logprobs is not None
         traced = gens[0].traced

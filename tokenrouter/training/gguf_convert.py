@@ -24,8 +24,9 @@ loader leaves out:
 A quantised file gives the *dequantised* weights: the folder is as good as the quantised model, not
 the original one. The folder also keeps the file itself as `model.gguf` (models/gguf_weights.py),
 whose blocks the engine serves as stored (`--quantization auto`; model.safetensors holds exactly
-their dequantised values, which `--quantization none` and transformers read). The folder is written to a temporary sibling folder and renamed into place, so a
-crash never leaves a half-written model at `out_dir`.
+their dequantised values, which `--quantization none` and transformers read). The folder is written to
+a temporary sibling folder and renamed into place, so a crash never leaves a half-written model at
+`out_dir`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@ tasks from (sequence-level distillation) and the routers are labelled on.
 
 Answers come from our engine (`LLM`: continuous batching, one prefill per prompt), greedy, capped at
 the task's output length, exactly as `tokenrouter eval` asks them; an answer's ids end with the EOS
-that stopped it (the engine keeps it), so the student learns where the large model stops. Each answer is kept as token ids (no re-tokenisation:
-the ids the routers are labelled on are the ids the large model wrote).
+that stopped it (the engine keeps it), so the student learns where the large model stops. Each answer
+is kept as token ids (no re-tokenisation: the ids the routers are labelled on are the ids the large
+model wrote).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(f"{kind} router: {pair.routers[kind]} (held-out AUC {m['auc']:.3f}; router.json threshold "
               f"{meta['corpus_thresholds'][kind]:.6g}; served {meta['thresholds'][kind]:.6g})")
         for p in meta["operating_points"].get(kind, []):
-            print(f"  {p['param']}={p['value']:.6g}: validation accuracy {p['accuracy']:.3f}, large share {p['share']:.3f}")
+            print(f"  {p['param']}={p['value']:.6g}: validation accuracy {p['accuracy']:.3f}, "
+                  f"large share {p['share']:.3f}")
     served = meta["served"]
     print(f"served: {served['algorithm']} {served['param']}={served['value']:.6g} (validation accuracy "
           f"{served['accuracy']:.3f} at a large share of {served['share']:.3f})")

@@ -109,7 +109,8 @@ def score(ans: Answers, prompts: list[list[int]], large_greedy: list[list[int]],
           large_model: Any, small_model: Any, t: Task) -> tuple[list[AnswerScore], OracleMatch]:
     under_large = forced(large_model, prompts, ans.outputs)
     under_small = forced(small_model, prompts, ans.outputs)
-    scores = [AnswerScore(len(o), sum(m == "large" for m in ms), f.nll_sum, common_prefix(o, g), t.correct(text, p.answer))
+    scores = [AnswerScore(len(o), sum(m == "large" for m in ms), f.nll_sum, common_prefix(o, g),
+                          t.correct(text, p.answer))
               for o, ms, f, g, text, p in zip(ans.outputs, ans.models, under_large, large_greedy, ans.texts, problems)]
     match = OracleMatch.of([[m == "large" for m in ms] for ms in ans.models], [f.greedy for f in under_small],
                            [f.greedy for f in under_large])
@@ -163,7 +164,8 @@ def evaluate(pair: PreparedPair, s: EvalSettings, progress: bool = True, log: An
     small_scores, _ = score(small_ans, prompts, large_ans.outputs, problems, large_model, small_model, t)
     results += [SystemResult("small", "", Totals.of(small_scores), small_ans.seconds),
                 SystemResult("large", "", Totals.of(large_scores), large_ans.seconds),
-                SystemResult("oracle", "", Totals.of(oracle_scores(large_ans, large_scores, small_model, prompts)), 0.0)]
+                SystemResult("oracle", "", Totals.of(oracle_scores(large_ans, large_scores, small_model, prompts)),
+                             0.0)]
 
     log("fitting the query-level router on training problems")
     router = fit_query_router(tok, small_model, large_model, s)
