@@ -124,10 +124,12 @@ def test_planner_policy_sets_the_large_models_thresholds(model_paths):
 
 
 def test_planner_counts_the_returns_look_ahead_answered(model_paths):
-    """Separate devices (B = 1): the large model's rows ride on its steps for other requests, and the
-    returns they answer reach the planner as answered (the subserver's Tokens say so), exactly as
-    many as the large model's look-ahead hits."""
-    cfg = group(model_paths["llama"], p=0.2, launch={"policy": "planner", "alpha": 0.0, "p": 0.2, "n_max": 12})
+    """The planner planning B(1) only (so B = 1 at every load: the large model launches as soon as
+    one request is queued, and the rows of the requests it just handed back ride on those steps),
+    half the positions deferred: immediate returns are answered, and they reach the planner as
+    answered (the subserver's Tokens say so), exactly as many as the large model's hits. (With the
+    planner's B above 1 a return usually arrives before the large model launches: its row never rode.)"""
+    cfg = group(model_paths["llama"], p=0.5, launch={"policy": "planner", "p": 0.5, "n_max": 1})
     with RoutedLLM(cfg) as llm:
         planner = llm.entry.planner
         llm.generate(prompt_token_ids=[[1, 2, 3, i] for i in range(12)],

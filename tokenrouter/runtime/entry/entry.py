@@ -120,7 +120,7 @@ class Entry:
             self.rules = AdmissionRules.from_ready(self.info, self.visit, self.algorithm.resolve_request)
             self.admission: AdmissionQueue[EntryReq] = AdmissionQueue(
                 {n: self.info[n].capacity_tokens for n in group.names})
-            self.planner = make_planner(group, self.info, self.algorithm.looks_ahead(group.names[1]))
+            self.planner = make_planner(group, self.info, self.algorithm)
             if self.planner is not None:
                 self.pool.send(group.names[1], SetThresholds(self.planner.table))
         except BaseException:

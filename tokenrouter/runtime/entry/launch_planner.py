@@ -9,15 +9,17 @@ from collections.abc import Mapping
 from tokenrouter.engine.latency_model import StepLatency
 from tokenrouter.planner.controller import PlannerController
 from tokenrouter.planner.overheads import Overheads
+from tokenrouter.routing.algorithm import RoutingAlgorithm
 from tokenrouter.runtime.group_config import GroupConfig
 from tokenrouter.runtime.messages import Ready
 
 
-def make_planner(group: GroupConfig, info: Mapping[str, Ready], looks_ahead: bool) -> PlannerController | None:
+def make_planner(group: GroupConfig, info: Mapping[str, Ready],
+                 algorithm: RoutingAlgorithm) -> PlannerController | None:
     """The planner, when the group asks for one. Step latencies come from the group's profile, or
-    else from the subservers' start-up measurements (their Ready reports). `looks_ahead`: whether
-    the algorithm has the large model run ahead (routing/algorithm.py looks_ahead), which the group's
-    `launch.look_ahead` may turn off."""
+    else from the subservers' start-up measurements (their Ready reports). It plans for look-ahead
+    when the algorithm has the large model run ahead (routing/algorithm.py looks_ahead) and the
+    group's `launch.look_ahead` leaves it on."""
     launch = group.launch
     if launch.policy != "planner":
         return None
@@ -31,7 +33,7 @@ def make_planner(group: GroupConfig, info: Mapping[str, Ready], looks_ahead: boo
             lat[name] = StepLatency.from_dict(info[name].latency)
         else:
             raise ValueError(f"no step latency for {name!r}: give the planner a profile")
-    look_ahead = launch.look_ahead and looks_ahead
+    look_ahead = launch.look_ahead and algorithm.looks_ahead(large)
     n_max = launch.n_max or min(64, group.spec(small).engine.max_running_requests)
     # Each model's cost per token beyond one, so the chain charges the catch-up the controller measures.
     overheads = Overheads(s_token=lat[small].per_token, l_token=lat[large].per_token)
