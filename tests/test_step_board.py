@@ -47,7 +47,7 @@ def test_two_models_starting_at_once_cannot_both_take_every_core(boards):
     a, b = CoreShare(2, 8, mine), CoreShare(2, 8, peer)
     seen = []
     real = a.threads_for
-    a.threads_for = lambda rows: seen.append(mine.flags[0]) or real(rows)  # type: ignore[method-assign]
+    a.threads_for = lambda rows, live: seen.append(mine.flags[0]) or real(rows, live)  # type: ignore[method-assign]
     with a.step(1) as first:
         with b.step(1) as second:
             assert (first, second) == (2, 1)
@@ -58,7 +58,7 @@ def test_without_a_board_only_the_rows_decide():
     share = CoreShare(3, 4)
     try:
         assert [share.threads_for(r) for r in (1, 4, 5)] == [3, 3, 1]
-        with pytest.raises(ValueError, match="cores and max_rows >= 1"):
+        with pytest.raises(ValueError, match="cores, max_rows and max_live >= 1"):
             CoreShare(0, 4)
     finally:
         torch.set_num_threads(1)
@@ -82,23 +82,58 @@ def test_an_engine_sizes_its_steps_with_it(model_paths, boards):
     assert outs[0] == outs[1]
 
 
-def test_only_a_model_alone_on_its_host_shares_cores():
-    """A routed pair's co-located models keep one thread each; a model served alone shares, and so
-    does the one model spawned here beside a joined peer; a pinned or switched-off model does not."""
+def test_a_model_alone_shares_at_any_load_and_beside_co_located_peers_at_one_request():
+    """A model served alone shares cores at any load, and so does the one model spawned here beside a
+    joined peer; a routed pair's co-located models share only while they hold one request (then the
+    models take turns); a pinned or switched-off model does not."""
     from tokenrouter.runtime.group_config import GroupConfig
-    from tokenrouter.runtime.subserver.subserver import shares_cores
 
     def group(models: list[dict], **launch) -> GroupConfig:
         return GroupConfig.from_dict({"models": models, "launch": launch})
 
     one = group([{"name": "m", "path": "/x"}])
-    assert shares_cores(one.models[0], one)
+    assert one.core_sharing("m") == "alone"
     pair = group([{"name": "s", "path": "/x"}, {"name": "l", "path": "/y"}])
-    assert not any(shares_cores(m, pair) for m in pair.models)
+    assert [pair.core_sharing(n) for n in pair.names] == ["colocated", "colocated"]
     joined = GroupConfig.from_dict({"models": [{"name": "s", "path": "/x"},
                                                {"name": "l", "path": "/y", "start": "join"}],
                                     "transport": "tcp", "secret": "a secret of sixteen characters"})
-    assert shares_cores(joined.models[0], joined) and not shares_cores(joined.models[1], joined)
+    assert [joined.core_sharing(n) for n in joined.names] == ["alone", None]
     for changed in (group([{"name": "m", "path": "/x", "cores": [0]}]), group([{"name": "m", "path": "/x"}],
                                                                                 share_cores=False)):
-        assert not shares_cores(changed.models[0], changed)
+        assert changed.core_sharing("m") is None
+
+
+def test_beside_co_located_peers_every_core_only_at_one_live_request(boards):
+    mine, _ = boards
+    share = CoreShare(2, 8, mine, max_live=1)
+    with share.step(2, live=1) as threads:  # one request (a verification of one draft: two rows)
+        assert threads == 2
+    with share.step(1, live=2) as threads:  # a second request: the models no longer take turns
+        assert threads == 1
+    with pytest.raises(ValueError, match="max_live >= 1"):
+        CoreShare(2, 8, mine, max_live=0)
+
+
+def test_co_located_subservers_start_with_a_short_spin(monkeypatch):
+    """The spin is set for the processes started inside and gone afterwards; a user's own wins."""
+    import os
+    import subprocess
+    import sys
+
+    from tokenrouter.engine.step_board import COLOCATED_SPINCOUNT, colocated_spin
+
+    def child_sees() -> str:
+        code = "import os; print(os.environ.get('GOMP_SPINCOUNT', '-'))"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    with colocated_spin(True):
+        assert child_sees() == COLOCATED_SPINCOUNT
+    with colocated_spin(False):
+        assert child_sees() == "-"
+    assert "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.setenv("GOMP_SPINCOUNT", "5")
+    with colocated_spin(True):
+        assert child_sees() == "5"
+    assert os.environ["GOMP_SPINCOUNT"] == "5"

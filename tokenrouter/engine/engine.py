@@ -436,7 +436,7 @@ class Engine:
         return out.rows(keep)
 
     def _run(self, reqs: list[Req], extend_lens: list[int], overlap: Callable[[], None] | None) -> StepOutput:
-        with self.cores.step(sum(extend_lens)) if self.cores is not None else contextlib.nullcontext():
+        with self.cores.step(sum(extend_lens), len(self.reqs)) if self.cores is not None else contextlib.nullcontext():
             if overlap is None:
                 return self.runner.run(reqs, extend_lens)
             return self.runner.run(reqs, extend_lens, overlap)

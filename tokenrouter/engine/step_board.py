@@ -10,12 +10,16 @@ by name), one slot per model of the group, set while that model runs a step. Two
 Why core sharing: a model serving alone on a CPU host leaves its other cores idle at low load. The
 rule: every core for a step of at most `max_rows` rows (the quantized kernel's, where more threads
 pay: models/quantized_linear.py) while no other model's slot is set; one thread otherwise (large
-steps come with load, when the server's other processes have work). The runtime applies it to a
-model alone on its host only (runtime/subserver/subserver.py): beside a co-located routed peer it measured
-slower at 2-8 concurrent requests (the default pair at 8: 166 tok/s against 219-233 with one thread
-each; at 1: 70.8-72.9 against 65.0-72.5), because after each step the second thread's OpenMP spin-wait keeps
-a core the peer's step needs (shorter spins, GOMP_SPINCOUNT=10000, gave 195; a passive wait made
-every step slower: SmolLM2 alone 39 tok/s at 1 request against 70).
+steps come with load, when the server's other processes have work). A model alone on its host takes
+it at any load. Beside co-located peers (runtime/subserver/subserver.py `core_share`) a model takes
+it only while it holds at most one live request: then the group serves one request, which is on one
+model at a time, so the models take turns. At more, sharing measured slower (the default pair at 8:
+166 tok/s against 219-233 with one thread each), because after each step the second thread's OpenMP
+spin-wait keeps a core the peer's step needs. Co-located subservers are started with the spin cut to
+`COLOCATED_SPINCOUNT` rounds (libgomp's GOMP_SPINCOUNT, read when the process loads it; the default
+is 300,000): at one request with `speculative`, sharing made 58.4 tok/s with the default spin and
+66.7-67.5 with 10,000 (1,000: 49.9, slower than not sharing, 50.1); a passive wait made every step
+slower (SmolLM2 alone 39 tok/s at 1 request against 70).
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ import numpy as np
 import torch
 
 SLOTS = 64
+COLOCATED_SPINCOUNT = "10000"  # GOMP_SPINCOUNT for co-located subservers (module docstring)
+
+
+@contextlib.contextmanager
+def colocated_spin(colocated: bool) -> Iterator[None]:
+    """Processes started inside (a spawned process reads its parent's environment as it starts) get
+    GOMP_SPINCOUNT = COLOCATED_SPINCOUNT when `colocated` and the user set none; the environment is
+    as it was afterwards."""
+    if not colocated or "GOMP_SPINCOUNT" in os.environ:
+        yield
+        return
+    os.environ["GOMP_SPINCOUNT"] = COLOCATED_SPINCOUNT
+    try:
+        yield
+    finally:
+        del os.environ["GOMP_SPINCOUNT"]
 
 
 def create_board() -> shared_memory.SharedMemory:
@@ -74,13 +94,15 @@ class StepBoard:
 
 class CoreShare:
     """Sizes each step's torch threads: all of `cores` for a step of at most `max_rows` rows while no
-    other model on `board` runs a step, one otherwise; marks this model's slot while its step runs.
-    Without a board (one model alone on the host) only the rows decide."""
+    other model on `board` runs a step (and, with `max_live`, while this model holds at most that
+    many live requests), one otherwise; marks this model's slot while its step runs. Without a board
+    (one model alone on the host) only the rows decide."""
 
-    def __init__(self, cores: int, max_rows: int, board: StepBoard | None = None) -> None:
-        if cores < 1 or max_rows < 1:
-            raise ValueError(f"core sharing needs cores and max_rows >= 1, got {cores} and {max_rows}")
-        self.cores, self.max_rows, self.board = cores, max_rows, board
+    def __init__(self, cores: int, max_rows: int, board: StepBoard | None = None, max_live: int | None = None) -> None:
+        if cores < 1 or max_rows < 1 or (max_live is not None and max_live < 1):
+            raise ValueError(f"core sharing needs cores, max_rows and max_live >= 1, got {cores}, {max_rows} "
+                             f"and {max_live}")
+        self.cores, self.max_rows, self.board, self.max_live = cores, max_rows, board, max_live
         self.threads_used: dict[int, int] = {}  # threads -> steps run on that many (for the stats)
 
     @staticmethod
@@ -88,17 +110,19 @@ class CoreShare:
         """The cores this process may run on."""
         return len(os.sched_getaffinity(0))
 
-    def threads_for(self, rows: int) -> int:
-        if rows > self.max_rows or (self.board is not None and self.board.others_running()):
+    def threads_for(self, rows: int, live: int = 1) -> int:
+        if (rows > self.max_rows or (self.max_live is not None and live > self.max_live)
+                or (self.board is not None and self.board.others_running())):
             return 1
         return self.cores
 
     @contextlib.contextmanager
-    def step(self, rows: int) -> Iterator[int]:
-        """Run a step of `rows` rows on the threads the rule gives (yielded). The slot is set before
-        the peers are read, so two models starting at once cannot both take every core."""
+    def step(self, rows: int, live: int = 1) -> Iterator[int]:
+        """Run a step of `rows` rows, of a model holding `live` live requests, on the threads the rule
+        gives (yielded). The slot is set before the peers are read, so two models starting at once
+        cannot both take every core."""
         with self.board.running() if self.board is not None else contextlib.nullcontext():
-            threads = self.threads_for(rows)
+            threads = self.threads_for(rows, live)
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
             self.threads_used[threads] = self.threads_used.get(threads, 0) + 1

@@ -81,9 +81,10 @@ class LaunchConfig:
     # A model that hands a request back with its own token runs that token in its next step, for the
     # request's likely return (routing/algorithm.py looks_ahead; engine.py Engine.hand_off).
     look_ahead: bool = True
-    # On CPU, a model alone on its host (the only subserver spawned here, not pinned to cores, one
-    # rank) runs a step of few rows on every core, larger ones on one (engine/step_board.py
-    # CoreShare); false keeps it on its `threads`. Co-located models keep their `threads`.
+    # On CPU, a model spawned here (not pinned to cores, one rank) runs a step of few rows on every
+    # core while no co-located model steps, alone on its host at any load, beside others while it
+    # holds one live request (engine/step_board.py CoreShare; GroupConfig.core_sharing); false keeps
+    # every model on its `threads`.
     share_cores: bool = True
 
     def __post_init__(self) -> None:
@@ -355,6 +356,18 @@ class GroupConfig:
 
     def spec(self, name: str) -> ModelSpec:
         return next(m for m in self.models if m.name == name)
+
+    def core_sharing(self, name: str) -> str | None:
+        """How model `name` sizes its steps' threads (engine/step_board.py CoreShare): "alone" when it
+        is the only model spawned here (every core for a small step at any load), "colocated" beside
+        other spawned models (every core only while it holds one live request, when the models take
+        turns), None when it keeps its `threads` (launch.share_cores off, pinned to cores, several
+        ranks, a GPU, or started elsewhere)."""
+        spec = self.spec(name)
+        if not (self.launch.share_cores and spec.start == "spawn" and spec.cores is None
+                and spec.engine.tp_size == 1 and spec.engine.torch_device().type == "cpu"):
+            return None
+        return "alone" if [m.start for m in self.models].count("spawn") == 1 else "colocated"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], base: str | Path | None = None) -> GroupConfig:

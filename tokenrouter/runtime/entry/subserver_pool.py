@@ -15,7 +15,7 @@ from typing import Any
 
 import zmq
 
-from tokenrouter.engine.step_board import create_board
+from tokenrouter.engine.step_board import colocated_spin, create_board
 from tokenrouter.runtime.connection_watch import ConnectionWatch
 from tokenrouter.runtime.entry.join_desk import JoinDesk, JoinedSubserver
 from tokenrouter.runtime.entry.remote_subserver import RemoteSubserver
@@ -72,7 +72,8 @@ class SubserverPool:
                     target=subserver_main, name=f"tokenrouter-{spec.name}",
                     args=(spec.name, group_dict, self.bind_addresses[spec.name], self.entry_address, os.getpid(),
                           board))
-                proc.start()
+                with colocated_spin(self.group.core_sharing(spec.name) == "colocated"):
+                    proc.start()
                 self.procs[spec.name] = proc
             elif spec.start == "ray":
                 from tokenrouter.runtime.entry.ray_subserver import RaySubserver

@@ -88,8 +88,10 @@ class Subserver:
             self.clock = InterferenceClock(names.index(spec.name), alphas, self.board)
             runner = LatencyModelRunner.for_model(profile, spec.name, spec.engine.model_path, self.clock)
         cores = None
-        if runner is None and shares_cores(spec, group):
-            cores = CoreShare(CoreShare.host_cores(), quantized_linear.MAX_ROWS, self.board)
+        sharing = group.core_sharing(spec.name)
+        if runner is None and sharing is not None:
+            cores = CoreShare(CoreShare.host_cores(), quantized_linear.MAX_ROWS, self.board,
+                              max_live=1 if sharing == "colocated" else None)
         self.engine = Engine(spec.engine, launch=self.launch, outputs=self.algorithm.outputs(spec.name),
                              latency_runner=runner, trace_index=group.names.index(spec.name), cores=cores)
         self.algorithm.bind(spec.name, self.engine)
@@ -556,16 +558,6 @@ class Subserver:
         if self.board is not None:
             self.board.close()
         self.io.close()
-
-
-def shares_cores(spec: ModelSpec, group: GroupConfig) -> bool:
-    """Whether model `spec` sizes its steps' threads by CoreShare: on CPU, one rank, not pinned, and
-    alone on its host (the only model the entry spawns). Beside a co-located peer, the second
-    thread's OpenMP spin-wait after each step takes the core the peer's step needs
-    (engine/step_board.py)."""
-    alone = [m.start for m in group.models].count("spawn") == 1 and spec.start == "spawn"
-    return (group.launch.share_cores and alone and spec.cores is None and spec.engine.tp_size == 1
-            and spec.engine.torch_device().type == "cpu")
 
 
 def _finish_notice(rid: str) -> Handoff:
