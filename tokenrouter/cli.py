@@ -38,8 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action="store_true")
     g.add_argument("--attention-backend", default="torch", choices=["torch", "torch-reference"])
     g.add_argument("--num-threads", type=int, default=1,
-                   help="torch threads on CPU (default 1; a model served alone takes every core for steps of up to "
-                   "16 rows: launch.share_cores, --no-share-cores)")
+                   help="torch threads on CPU (default 1; a model takes every core for steps of up to 16 rows while "
+                   "no co-located model steps, beside one only at one request: launch.share_cores, --no-share-cores)")
     g.add_argument("--quantization", "-q", default="auto", choices=["auto", "none", "int8"],
                    help="weight-only quantized products for steps of few rows on CPU: auto serves a folder's "
                    "GGUF blocks (model.gguf) as stored, none the float weights, int8 quantizes them per channel")
@@ -504,8 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--no-ui", action="store_true",
                     help="do not serve the routing page at / (each token coloured by the model that wrote it)")
     sv.add_argument("--no-share-cores", action="store_true",
-                    help="keep the model on its --num-threads (launch.share_cores: false); by default a model served "
-                    "alone on CPU runs a step of up to 16 rows on every core")
+                    help="keep each model on its --num-threads (launch.share_cores: false); by default a model on "
+                    "CPU runs a step of up to 16 rows on every core while no co-located model steps (beside one, "
+                    "only while the group serves one request)")
     sv.add_argument("--wait-for-pair", action="store_true",
                     help="with no model given: prepare the embedded default routed pair first and serve only "
                     "then (by default SmolLM2 serves alone at once while the pair is prepared in the background)")
