@@ -11,7 +11,7 @@ Why core sharing: a model serving alone on a CPU host leaves its other cores idl
 rule: every core for a step of at most `max_rows` rows (the quantized kernel's, where more threads
 pay: models/quantized_linear.py) while no other model's slot is set; one thread otherwise (large
 steps come with load, when the server's other processes have work). A model alone on its host takes
-it at any load. Beside co-located peers (runtime/subserver/subserver.py `core_share`) a model takes
+it at any load. Beside co-located peers (runtime/group_config.py `GroupConfig.core_sharing`) a model takes
 it only while it holds at most one live request: then the group serves one request, which is on one
 model at a time, so the models take turns. At more, sharing measured slower (the default pair at 8:
 166 tok/s against 219-233 with one thread each), because after each step the second thread's OpenMP

@@ -129,15 +129,20 @@ class PlannerController:
         self.answered_returns += tokens
 
     @property
+    def answered_visits(self) -> float:
+        """The visits a look-ahead row answered (the subserver's count, never above the returns seen)."""
+        return min(self.answered_returns, self.returns)
+
+    @property
     def answered_share(self) -> float:
         """The share of the large model's visits a look-ahead row answered (0 without look-ahead)."""
-        return min(self.answered_returns, self.returns) / self.visits if self.visits else 0.0
+        return self.answered_visits / self.visits if self.visits else 0.0
 
     @property
     def catchup(self) -> float | None:
         """Mean tokens a queued visit of the large model caught up on (the answered ones queue for
         no step); None before `min_visits` visits."""
-        queued = self.visits - min(self.answered_returns, self.returns)
+        queued = self.visits - self.answered_visits
         return self.caught_up / queued if self.visits >= self.min_visits and queued > 0 else None
 
     @property
