@@ -128,12 +128,15 @@ def test_planner_counts_the_returns_look_ahead_answered(model_paths):
     one request is queued, and the rows of the requests it just handed back ride on those steps),
     half the positions deferred: immediate returns are answered, and they reach the planner as
     answered (the subserver's Tokens say so), exactly as many as the large model's hits. (With the
-    planner's B above 1 a return usually arrives before the large model launches: its row never rode.)"""
+    planner's B above 1 a return usually arrives before the large model launches: its row never rode.)
+    Each request has its own seed, so its own routes: with one seed all twelve hand off at the same
+    positions, and the large model often has no other work to launch while they are away (no hits)."""
     cfg = group(model_paths["llama"], p=0.5, launch={"policy": "planner", "p": 0.5, "n_max": 1})
     with RoutedLLM(cfg) as llm:
         planner = llm.entry.planner
         llm.generate(prompt_token_ids=[[1, 2, 3, i] for i in range(12)],
-                     sampling_params=SamplingParams(max_tokens=40, seed=3), use_tqdm=False, timeout=120)
+                     sampling_params=[SamplingParams(max_tokens=40, seed=3 + i) for i in range(12)],
+                     use_tqdm=False, timeout=120)
         hits = llm.entry.stats()["large"].look_ahead_hits
         assert hits > 0 and planner.answered_returns == hits
         assert planner.answered_share == pytest.approx(hits / planner.visits)
