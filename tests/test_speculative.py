@@ -167,6 +167,59 @@ def test_bad_draft_lengths_and_drafts_the_engine_cannot_verify_are_refused(paths
     assert PeerReq(rid="x", suffix=[1], loc=0).draft == 0
 
 
+def test_requests_that_start_under_load_are_written_by_the_verifier_alone(paths):
+    """disable_by_batch_size 2: of four prompts given at once, the first starts as the one live
+    request and is drafted; the others start beside it and the verifier writes every token, on every
+    core for its small steps (the drafter then holds nothing: each subserver publishes what it holds
+    on the step board, watched here). The answers are the verifier's own."""
+    import threading
+    import time
+
+    from tokenrouter.engine.step_board import StepBoard
+    from tokenrouter.routed_llm import RoutedLLM
+
+    cfg = {"models": [{"name": "small", "path": str(paths["large"]), "kv_cache_tokens": 4096},
+                      {"name": "large", "path": str(paths["large"]), "kv_cache_tokens": 4096}],
+           "algorithm": {"name": "speculative", "draft_tokens": 3, "disable_by_batch_size": 2}}
+    params = dict(max_tokens=64, ignore_eos=True, temperature=0.0)
+    with RoutedLLM(cfg) as llm:
+        board = StepBoard(llm.entry.pool.board_name, 0)
+        held = board.held
+        most: list[float] = [0.0, 0.0]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                most[:] = [max(most[i], held[i]) for i in (0, 1)]
+                time.sleep(0.0005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(**params), use_tqdm=False,
+                                timeout=120)
+        finally:
+            done.set()
+            watcher.join()
+        stats = llm.entry.stats()
+        deadline = time.monotonic() + 10
+        while held[:2].any() and time.monotonic() < deadline:  # each subserver's next pass publishes its 0
+            time.sleep(0.01)
+        assert most[0] == 1 and most[1] >= 3 and not held[:2].any(), (most, held[:2])
+        board.close()
+    models = [o.outputs[0].token_models for o in outs]
+    assert "small" in models[0] and all(set(m) == {"large"} for m in models[1:]), models
+    assert [list(o.outputs[0].token_ids) for o in outs] == [t for t, _ in alone(paths["large"], PROMPTS, SEEDS,
+                                                                                  **params)]
+    assert stats["large"].drafts_verified > 0 and stats["large"].threaded_steps > 0
+    assert Speculative(["a", "b"]).alone_at(100) is None
+    at_three = Speculative(["a", "b"], disable_by_batch_size=3)
+    assert [at_three.alone_at(n) for n in (1, 2, 3, 9)] == [None, None, "b", "b"]
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(ValueError, match="disable_by_batch_size"):
+            make_algorithm("speculative", ["a", "b"], {"disable_by_batch_size": bad})
+
+
 def greedy_next(path, tokens: list[int]) -> tuple[int, float]:
     """The verifier's greedy token after `tokens`, and the normalised entropy of its top 3 there."""
     eng = make_engine(path)

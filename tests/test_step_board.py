@@ -105,14 +105,33 @@ def test_a_model_alone_shares_at_any_load_and_beside_co_located_peers_at_one_req
 
 
 def test_beside_co_located_peers_every_core_only_at_one_live_request(boards):
-    mine, _ = boards
+    mine, peer = boards
     share = CoreShare(2, 8, mine, max_live=1)
+    peer.hold(2)  # the peer holds requests: it steps again soon
     with share.step(2, live=1) as threads:  # one request (a verification of one draft: two rows)
         assert threads == 2
     with share.step(1, live=2) as threads:  # a second request: the models no longer take turns
         assert threads == 1
     with pytest.raises(ValueError, match="max_live >= 1"):
         CoreShare(2, 8, mine, max_live=0)
+
+
+def test_beside_co_located_peers_that_hold_nothing_every_core_at_any_load(boards):
+    """A peer holding no request (speculative's requests under load go to the verifier alone) has no
+    step coming: the model takes every core for a small step however many requests it holds."""
+    mine, peer = boards
+    share = CoreShare(2, 8, mine, max_live=1)
+    peer.hold(1)
+    assert mine.others_hold() and not peer.others_hold()
+    with share.step(4, live=4) as threads:
+        assert threads == 1
+    peer.hold(0)
+    with share.step(4, live=4) as threads:
+        assert threads == 2
+    with share.step(9, live=4) as threads:  # past max_rows: one thread all the same
+        assert threads == 1
+    mine.hold(3)
+    assert peer.others_hold() and share.threaded_steps == 1
 
 
 def test_co_located_subservers_start_with_a_short_spin(monkeypatch):

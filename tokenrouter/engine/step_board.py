@@ -1,7 +1,9 @@
 """The running-steps board of a group's co-located subservers, and the cores a step runs on.
 
 The board is a small array in shared memory (the entry creates it; each subserver it spawns attaches
-by name), one slot per model of the group, set while that model runs a step. Two readers:
+by name), one slot per model of the group, set while that model runs a step, and beside each slot how
+many requests that model holds (live or pending at a peer; its subserver writes it after every pass of
+its loop). Two readers:
 - the latency executor's interference (latency_model.py InterferenceClock): a model progresses
   more slowly while a peer's slot is set;
 - core sharing (`CoreShare`): on a CPU host where models take turns, a step may use every core while
@@ -11,11 +13,13 @@ Why core sharing: a model serving alone on a CPU host leaves its other cores idl
 rule: every core for a step of at most `max_rows` rows (the quantized kernel's, where more threads
 pay: models/quantized_linear.py) while no other model's slot is set; one thread otherwise (large
 steps come with load, when the server's other processes have work). A model alone on its host takes
-it at any load. Beside co-located peers (runtime/group_config.py `GroupConfig.core_sharing`) a model takes
-it only while it holds at most one live request: then the group serves one request, which is on one
-model at a time, so the models take turns. At more, sharing measured slower (the default pair at 8:
-166 tok/s against 219-233 with one thread each), because after each step the second thread's OpenMP
-spin-wait keeps a core the peer's step needs. Co-located subservers are started with the spin cut to
+it at any load. Beside co-located peers (runtime/group_config.py `GroupConfig.core_sharing`) a model
+takes it only while it holds at most one live request (then the group serves one request, which is
+on one model at a time, so the models take turns) or while no peer holds any request (then it serves
+alone in effect: speculative's `disable_by_batch_size` sends the requests that start under load to
+the verifier alone). Otherwise sharing measured slower (the default pair at 8: 166 tok/s against
+219-233 with one thread each), because after each step the second thread's OpenMP spin-wait keeps a
+core the peer's step needs. Co-located subservers are started with the spin cut to
 `COLOCATED_SPINCOUNT` rounds (libgomp's GOMP_SPINCOUNT, read when the process loads it; the default
 is 300,000): at one request with `speculative`, sharing made 58.4 tok/s with the default spin and
 66.7-67.5 with 10,000 (1,000: 49.9, slower than not sharing, 50.1); a passive wait made every step
@@ -53,13 +57,14 @@ def colocated_spin(colocated: bool) -> Iterator[None]:
 
 def create_board() -> shared_memory.SharedMemory:
     """A group's board (the entry creates it, owns it and unlinks it), every slot clear."""
-    shm = shared_memory.SharedMemory(create=True, size=SLOTS * 8)
-    np.ndarray((SLOTS,), dtype=np.float64, buffer=shm.buf)[:] = 0.0
+    shm = shared_memory.SharedMemory(create=True, size=2 * SLOTS * 8)
+    np.ndarray((2 * SLOTS,), dtype=np.float64, buffer=shm.buf)[:] = 0.0
     return shm
 
 
 class StepBoard:
-    """One model's view of the board `name`: its own slot `me` and its peers'."""
+    """One model's view of the board `name`: its own slot `me` and its peers'. `flags`: the stepping
+    slots; `held`: each model's request count."""
 
     def __init__(self, name: str, me: int) -> None:
         if not 0 <= me < SLOTS:
@@ -67,6 +72,7 @@ class StepBoard:
         self.me = me
         self._shm = shared_memory.SharedMemory(name=name)
         self.flags: np.ndarray | None = np.ndarray((SLOTS,), dtype=np.float64, buffer=self._shm.buf)
+        self.held: np.ndarray | None = np.ndarray((SLOTS,), dtype=np.float64, buffer=self._shm.buf, offset=SLOTS * 8)
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -87,16 +93,27 @@ class StepBoard:
             return 0
         return int(np.count_nonzero(self.flags)) - int(self.flags[self.me] > 0)
 
+    def hold(self, requests: int) -> None:
+        """Publish how many requests this model holds."""
+        if self.held is not None:
+            self.held[self.me] = requests
+
+    def others_hold(self) -> bool:
+        """Whether another model holds any request."""
+        if self.held is None:
+            return False
+        return bool(np.count_nonzero(self.held) - int(self.held[self.me] > 0))
+
     def close(self) -> None:
-        self.flags = None
+        self.flags = self.held = None
         self._shm.close()
 
 
 class CoreShare:
     """Sizes each step's torch threads: all of `cores` for a step of at most `max_rows` rows while no
     other model on `board` runs a step (and, with `max_live`, while this model holds at most that
-    many live requests), one otherwise; marks this model's slot while its step runs. Without a board
-    (one model alone on the host) only the rows decide."""
+    many live requests or no other model holds any), one otherwise; marks this model's slot while its
+    step runs. Without a board (one model alone on the host) only the rows decide."""
 
     def __init__(self, cores: int, max_rows: int, board: StepBoard | None = None, max_live: int | None = None) -> None:
         if cores < 1 or max_rows < 1 or (max_live is not None and max_live < 1):
@@ -111,8 +128,9 @@ class CoreShare:
         return len(os.sched_getaffinity(0))
 
     def threads_for(self, rows: int, live: int = 1) -> int:
-        if (rows > self.max_rows or (self.max_live is not None and live > self.max_live)
-                or (self.board is not None and self.board.others_running())):
+        crowded = self.max_live is not None and live > self.max_live and (self.board is None
+                                                                          or self.board.others_hold())
+        if rows > self.max_rows or crowded or (self.board is not None and self.board.others_running()):
             return 1
         return self.cores
 
@@ -127,3 +145,7 @@ class CoreShare:
                 torch.set_num_threads(threads)
             self.threads_used[threads] = self.threads_used.get(threads, 0) + 1
             yield threads
+
+    @property
+    def threaded_steps(self) -> int:
+        return sum(n for threads, n in self.threads_used.items() if threads > 1)

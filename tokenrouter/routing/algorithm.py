@@ -140,6 +140,13 @@ class RoutingAlgorithm(ABC):
         """The model that receives new requests (writes the first token)."""
         return self.models[0]
 
+    def alone_at(self, live: int) -> str | None:
+        """The model that writes a request by itself (as a request's `routing: {"model": NAME}`) when
+        it starts while the group holds `live` live requests, itself among them; None, the default,
+        routes it. For an algorithm whose routing stops paying under load; the entry asks once per
+        request, as it starts (its tokens' writers then name that model)."""
+        return None
+
     def may_visit(self) -> list[str]:
         """The models a request may visit: admission reserves KV on each of them."""
         return list(self.models)

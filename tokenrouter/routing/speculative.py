@@ -13,6 +13,13 @@ verifier also keeps a draft it would reject where it is unsure itself and agrees
 `fly_window_size` drafts (as many as follow; engine/req.py LooseVerify), so a user slides from the
 second model's own answers toward the first's; it needs runs of two drafts or more. 1, the default,
 is exact: everything above holds only there.
+
+Under load (`disable_by_batch_size`, vLLM's `speculative_disable_by_batch_size`): a request that starts
+while the group holds at least that many live requests, itself among them, is written by the
+verifier alone; on a CPU host the verifier then has every core while the drafter holds nothing
+(engine/step_board.py). Drafting pays at low batch, where the verifier's step costs about the same
+for a few more rows; at a full batch each draft's row is paid for again and rejected drafts cost
+twice. None (the default) drafts at any load.
 """
 
 from __future__ import annotations
@@ -49,11 +56,17 @@ class Speculative(RoutingAlgorithm):
     request_params = ("draft_tokens", "fly_entropy_threshold", "fly_window_size")
 
     def __init__(self, models: list[str], draft_tokens: int = 1, fly_entropy_threshold: float = 1.0,
-                 fly_window_size: int = 6) -> None:
+                 fly_window_size: int = 6, disable_by_batch_size: int | None = None) -> None:
         super().__init__(models)
         if len(models) != 2:
             raise ValueError(f"speculative: needs two models (drafter, verifier), got {models}")
+        if disable_by_batch_size is not None and (isinstance(disable_by_batch_size, bool)
+                                                  or not isinstance(disable_by_batch_size, int)
+                                                  or disable_by_batch_size < 1):
+            raise ValueError(f"speculative: disable_by_batch_size must be a positive integer or null, "
+                             f"got {disable_by_batch_size!r}")
         self.drafter, self.verifier = models
+        self.disable_by_batch_size = disable_by_batch_size
         try:
             self.draft_tokens = self.check_request_value("draft_tokens", draft_tokens)
             self.fly_entropy_threshold = self.check_request_value("fly_entropy_threshold", fly_entropy_threshold)
@@ -75,6 +88,11 @@ class Speculative(RoutingAlgorithm):
         params = super().resolve_request(overrides)
         lossy_knob(params)
         return params
+
+    def alone_at(self, live: int) -> str | None:
+        if self.disable_by_batch_size is not None and live >= self.disable_by_batch_size:
+            return self.verifier
+        return None
 
     def bind(self, model: str, engine: Engine) -> None:
         self.eos = frozenset(engine.eos_token_ids)

@@ -217,6 +217,7 @@ class Stats(msgspec.Struct, tag="stats"):
     look_ahead_hits: int = 0  # of those, the ones answered from when the request came back
     drafts_verified: int = 0  # peers' drafts this model verified (engine.py Engine.accept_drafts)
     drafts_accepted: int = 0  # of those, the ones it kept
+    threaded_steps: int = 0  # steps run on more than one thread (engine/step_board.py CoreShare)
     request_errors: dict[str, int] = msgspec.field(default_factory=dict)  # requests failed alone, by stage
 
 

@@ -72,6 +72,8 @@ class _EngineCollector(Collector):
                                                lambda s: s.drafts_verified),
             "model_spec_decode_accepted_tokens": ("Of those, the ones its own samples agreed with",
                                                   lambda s: s.drafts_accepted),
+            "model_threaded_steps": ("Steps a model ran on more than one thread (core sharing: a small step "
+                                     "while no peer steps)", lambda s: s.threaded_steps),
         }
         for name, (doc, get) in counters.items():
             counter = CounterMetricFamily(f"tokenrouter_{name}", doc, labels=["model"])

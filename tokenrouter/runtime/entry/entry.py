@@ -14,7 +14,7 @@ import atexit
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tokenrouter.engine.step_trace import StepTraceWriter
@@ -202,6 +202,10 @@ class Entry:
         try:
             while (req := self.admission.pop_admissible()) is not None:
                 req.admitted = True
+                if req.plan.options.model is None:  # the algorithm may have one model write it under load
+                    alone = self.algorithm.alone_at(len(self.reqs) - len(self.admission.waiting))
+                    if alone is not None:
+                        req.plan = replace(req.plan, options=replace(req.plan.options, model=alone))
                 if self.adaptation is not None:
                     req.plan = self.adaptation.start(req.wire, req.plan)
                 plan = req.plan

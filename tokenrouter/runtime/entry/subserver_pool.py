@@ -59,6 +59,11 @@ class SubserverPool:
         self._last_liveness = 0.0
         self._board: Any = None  # the step board of the subservers spawned here (engine/step_board.py)
 
+    @property
+    def board_name(self) -> str | None:
+        """The step board's shared-memory name (a StepBoard reads it), None before start."""
+        return self._board.name if self._board is not None else None
+
     def start(self, vocab_hash: str) -> None:
         """Start every subserver and wait (bounded) until each has loaded its model; joiners are
         checked against `vocab_hash`. Raises SubserverDied when one fails or is late."""

@@ -153,6 +153,8 @@ class Subserver:
             # spin a core that the co-located model needs.
             self._drain(timeout_ms=0 if stepped else 100)
             stepped = self.running and eng.scheduler.has_work() and self._step()
+            if self.board is not None:  # a peer sizing its steps reads it (engine/step_board.py CoreShare)
+                self.board.hold(len(eng.reqs))
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
@@ -549,6 +551,7 @@ class Subserver:
             aborted_requests=self.aborted_requests, request_errors=dict(self.request_errors),
             look_aheads=eng.stats.look_aheads, look_ahead_hits=eng.stats.look_ahead_hits,
             drafts_verified=eng.stats.drafts_verified, drafts_accepted=eng.stats.drafts_accepted,
+            threaded_steps=eng.cores.threaded_steps if eng.cores is not None else 0,
         )
 
     def close(self) -> None:
