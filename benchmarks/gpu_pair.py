@@ -4,7 +4,8 @@ closed loop through the entry (no HTTP), at several concurrencies.
 The real weights (538 + 156 MB) do not travel to a lent GPU machine, so both models are random-weight
 models of the prepared pair's shapes (SmolLM2-135M: 30 layers; the student: the same widths, 3
 layers; vocabulary 49,152, tied heads) and the router is a Bernoulli draw at `--share` (the served
-R2R router sent 26 % of the tokens to SmolLM2 at concurrency 8, docs/BENCHMARKS.md). Throughput
+R2R router of the earlier float32 default pair sent 26 % of the tokens to SmolLM2 at concurrency 8;
+today's pair 25 %, docs/BENCHMARKS.md "Against llama.cpp on the same GGUF file"). Throughput
 depends on the shapes, the share and the send pattern, not on the weights: every request writes
 `--max-tokens` tokens (EOS ignored). Both models sit on the same device (`--device`, e.g. cuda:0 or
 cpu), each with its own subserver process; the engines keep their defaults for that device (CUDA

@@ -35,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 # The continuous-time chain's cost grows about as N^4 (on this machine its table for N = 1..8 took
 # 0.07 s, for 1..32 24 s, for 1..64 over ten minutes: a re-plan that long held a core of the two the
-# models were served on, and the pair at concurrency 8 lost 37 % against eager launching,
-# docs/BENCHMARKS.md). So it plans N up to this; larger N keep the step-aligned chain (0.15 s for 1..32).
+# models were served on, and the pair at concurrency 8 lost 37 % against eager launching: the float32
+# default pair of 2026-12-04). So it plans N up to this; larger N keep the step-aligned chain (0.15 s for 1..32).
 CONTINUOUS_MAX_N = 12
 
 Latency = Callable[[int], float]
