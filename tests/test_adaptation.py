@@ -142,6 +142,46 @@ def test_a_load_the_served_point_held_returns_it_within_one_window():
     assert stepped == pytest.approx(rig.range.value(STEP_BACK))
 
 
+def test_a_load_that_fell_in_the_windows_last_part_returns_at_its_close():
+    """A crowd over the target for three quarters of a window, then the one request the served point
+    held: back at that window's close, though the window's p99 is over the target; a crowd still there
+    in the last part, or a last part over the target, moves toward the floor as before."""
+    c = KnobController(TARGET)
+    for _ in range(2):
+        c.update(0.7 * TARGET, 1.0)
+    assert c.safe_load == 1.0
+    c.update(3 * TARGET, 4.0, 3 * TARGET, 4.0)
+    low = c.position
+    assert c.update(2 * TARGET, 3.0, 0.7 * TARGET, 4.0) < low  # the crowd is still there
+    assert c.update(2 * TARGET, 3.0, 1.5 * TARGET, 1.0) < low  # one request, over the target
+    assert c.update(2 * TARGET, 3.0) < low  # no last part measured: the whole window decides
+    assert c.update(2 * TARGET, 3.0, 0.7 * TARGET, 1.0) == 1.0
+
+    rig = Clocked(LowerIsMore(["small", "large"], threshold=0.3), floor=0.8)
+    wire, _ = rig.start()
+    for _ in range(2):  # the served point holds one request
+        rig.window({wire: 0.7 * TARGET})
+    crowd = [rig.start()[0] for _ in range(3)]
+    for _ in range(10):
+        rig.window({w: 3 * TARGET for w in [wire, *crowd]})
+    assert rig.ad.state.value == 0.8
+    start, gap = rig.t, 0.7 * TARGET
+    for k in range(1, round(WINDOW / gap)):
+        now = start + k * gap
+        rig.ad.token(wire, "small", now)
+        if now < start + 0.7 * WINDOW:  # the crowd writes slowly until 7 s in, then is gone
+            for w in crowd:
+                if k % 4 == 0:
+                    rig.ad.token(w, "small", now)
+        elif crowd:
+            for w in crowd:
+                rig.ad.finish(w)
+            crowd = []
+    rig.t += WINDOW
+    rig.ad.poll(rig.t)
+    assert rig.ad.state.p99_s > TARGET and rig.ad.state.value == 0.3
+
+
 def test_loads_are_learned_at_the_served_point_only_and_forgotten_when_it_overloads():
     c = KnobController(TARGET)
     c.update(0.7 * TARGET, 1.0)
@@ -224,14 +264,31 @@ def test_adapt_must_be_a_boolean():
 def test_tpot_excludes_the_first_token_wait_and_counts_gaps_where_they_end():
     w = TpotWindow()
     w.token("a", "small", 5.0)  # its first token, 5 s after it arrived: TTFT, no gap
-    assert w.close().p99_s is None
+    assert w.close(5.0).p99_s is None
     w.token("a", "small", 5.1)  # the gap across the window's edge counts in the window it ends in
     w.token("a", "large", 5.3)
     w.finish("a")
-    figures = w.close()
+    figures = w.close(6.0)
     assert figures.p99_s == pytest.approx(0.15) and figures.requests == 1
     assert figures.shares == {"large": 0.5, "small": 0.5} and figures.streaming_s == pytest.approx(0.3)
-    assert w.close() == type(figures)(None, 0, {})
+    assert w.close(7.0) == type(figures)(None, 0, {})
+
+
+def test_the_last_part_of_a_window_is_measured_apart():
+    """Gaps ending after `recent_from` count there too (their streaming seconds only from it on); the
+    next window's last part begins where close says."""
+    w = TpotWindow(recent_from=7.5)
+    for k in range(1, 21):  # a: a token every 0.5 s through the window
+        w.token("a", "small", 0.5 * k)
+    w.token("b", "small", 1.0)  # b: slow, and done before the last part
+    w.token("b", "small", 4.0)
+    w.finish("b")
+    figures = w.close(10.0, next_recent_from=17.5)
+    assert figures.p99_s == pytest.approx(3.0) and figures.streaming_s == pytest.approx(9.5 + 3.0)
+    assert figures.recent_s == pytest.approx(2.5) and figures.recent_p99_s == pytest.approx(0.5)
+    assert figures.recent_streaming_s == pytest.approx(2.5)
+    w.token("a", "small", 17.0)
+    assert w.close(20.0).recent_p99_s is None and w.recent_from == math.inf
 
 
 def test_p99_is_the_nearest_rank():

@@ -25,6 +25,11 @@ window's p99 time per output token (TPOT):
   point (a request keeps the value it started with). Where the served point then overloads at a load
   it would return at, the remembered load halves, below that load's reach, so the return cannot
   oscillate on a stale memory;
+- the window's last part (`RECENT_PART` of it) within the target at a load the served point held, by
+  the same rule: back to the served point at once, even where the window as a whole was over. Why:
+  a window that ends just after the load fell holds the load before it; on the default pair's ramp
+  the whole-window rule returned at the close of the first window lying wholly after the ramp, 15-17
+  s after its end with 10 s windows, where the window the load fell in could have;
 - p99 at most `MARGIN` of the target: a step of `STEP_BACK` toward the served point (the headroom
   keeps one step from pushing p99 over again);
 - otherwise hold.
@@ -44,6 +49,7 @@ MARGIN = 0.8  # step back only with this much of the target used
 STEP_BACK = 0.25  # of the range, per window with headroom
 RETURN_BELOW = 0.5  # of the target: p99 this low returns to the served point at once (see above)
 LOAD_SLACK = 1.25  # a load up to this multiple of the remembered safe load returns at once (see above)
+RECENT_PART = 0.25  # of a window: its last part, measured apart for the return (see above)
 
 
 @dataclass(frozen=True)
@@ -80,13 +86,17 @@ class KnobController:
         # learned only from a window whose predecessor was at the served point too.
         self.served_windows = 0
 
-    def update(self, p99_s: float | None, load: float | None = None) -> float:
+    def update(self, p99_s: float | None, load: float | None = None, recent_p99_s: float | None = None,
+               recent_load: float | None = None) -> float:
         """The new position after a window whose adapting requests' p99 TPOT was `p99_s` seconds
-        (None: none of them streamed) at a mean of `load` of them streaming (None: not measured)."""
+        (None: none of them streamed) at a mean of `load` of them streaming (None: not measured);
+        `recent_p99_s` and `recent_load` are those of the window's last part alone (None: not measured)."""
         target = self.target_s
         self.served_windows = self.served_windows + 1 if self.position == 1.0 else 0
         returns = load is not None and load <= LOAD_SLACK * self.safe_load
-        if p99_s is None or p99_s <= RETURN_BELOW * target:
+        fell = (recent_p99_s is not None and recent_load is not None and recent_p99_s <= target
+                and recent_load <= LOAD_SLACK * self.safe_load)
+        if p99_s is None or p99_s <= RETURN_BELOW * target or fell:
             self.position = 1.0
         elif p99_s > target:
             if self.position == 1.0 and returns and load is not None:  # it no longer holds a load it returns at

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenrouter.planner.knob_controller import KnobController
+from tokenrouter.planner.knob_controller import RECENT_PART, KnobController
 from tokenrouter.routing.algorithm import RoutingAlgorithm
 from tokenrouter.runtime.adapt_config import AdaptConfig, knob_range
 from tokenrouter.runtime.entry.admission import AdmittedPlan
@@ -53,14 +53,18 @@ class Adaptation:
         self.range = knob_range(cfg, algorithm)
         self.param = algorithm.knob_param()
         self.controller = KnobController(cfg.target_s)
-        self.window = TpotWindow()
         self.window_s = cfg.window
         self.closes_at = now + cfg.window
+        self.window = TpotWindow(self.recent_from())
         self.opened = now  # when the window now open began to collect (the last close)
         self.adapting: set[str] = set()  # wire ids of the live requests that adapt
         self.logged = 1.0  # the position last logged (the served point at start)
         self.state = AdaptState(algorithm.name, self.param, self.range.served, self.range.served, self.range.floor,
                                 cfg.target_s, cfg.window)
+
+    def recent_from(self) -> float:
+        """Where the open window's last part (measured apart: planner/knob_controller.py) begins."""
+        return self.closes_at - RECENT_PART * self.window_s
 
     def adapts(self, plan: AdmittedPlan) -> bool:
         return plan.options.adapt and plan.options.model is None and self.param not in plan.own_params
@@ -86,11 +90,12 @@ class Adaptation:
         them empty, which counts as idle) and move the knob after each."""
         while now >= self.closes_at:
             self.closes_at += self.window_s
-            figures = self.window.close()
+            figures = self.window.close(now, self.recent_from())
             # after a stall the first window closed holds every gap since the last close
             load = figures.streaming_s / max(self.window_s, now - self.opened)
+            recent_load = figures.recent_streaming_s / figures.recent_s if figures.recent_s > 0 else None
             self.opened = now
-            position = self.controller.update(figures.p99_s, load)
+            position = self.controller.update(figures.p99_s, load, figures.recent_p99_s, recent_load)
             old = self.state
             self.state = dataclasses.replace(old, value=self.range.value(position), p99_s=figures.p99_s,
                                              shares=figures.shares)
