@@ -18,7 +18,9 @@ Phases:
             ones pooled)
   speed     32 requests, up to EOS or 64 tokens (the same answers on both systems), closed loop
             at --concurrency, each k of
-            --draft-tokens and SmolLM2 alone, --rounds rounds in rotated order; output tokens per
+            --draft-tokens, each N of --disable-by-batch-size (the first k, the group's
+            `disable_by_batch_size` N: requests that start beside N - 1 others are SmolLM2's alone)
+            and SmolLM2 alone, --rounds rounds in rotated order; output tokens per
             second (median over rounds), the ratio to SmolLM2 alone, and the share of tokens
             accepted from drafts
 
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--fly", type=float, nargs="*", default=[], help="FLy entropy thresholds (lossy) to time")
     ap.add_argument("--fly-draft-tokens", type=int, default=4)
+    ap.add_argument("--disable-by-batch-size", type=int, nargs="*", default=[],
+                    help="speculative with disable_by_batch_size N (at the first --draft-tokens) to time")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--phases", default="same,chi2,speed")
@@ -128,18 +132,24 @@ def main(argv: list[str] | None = None) -> int:
     large_path = pair["models"][1]["path"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    spec_yaml = Path(tempfile.mkdtemp(prefix="speculative-")) / "pair.yaml"
-    spec_yaml.write_text(yaml.safe_dump({**pair, "name": "speculative", "algorithm": {"name": "speculative"}},
-                                        sort_keys=False))
+    folder = Path(tempfile.mkdtemp(prefix="speculative-"))
+
+    def spec_yaml(off: int | None = None) -> Path:
+        path = folder / f"pair{off or ''}.yaml"
+        algorithm = {"name": "speculative", **({"disable_by_batch_size": off} if off else {})}
+        path.write_text(yaml.safe_dump({**pair, "name": "speculative", "algorithm": algorithm}, sort_keys=False))
+        return path
+
     tok = AutoTokenizer.from_pretrained(large_path)
     questions = chat_prompts(tok, arith.split(seed=0).held_out)
     phases = set(args.phases.split(","))
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M"), "config": config, "args": vars(args)}
-    systems = {"speculative": ["--config", str(spec_yaml)],
+    systems = {"speculative": ["--config", str(spec_yaml())],
                "large": ["--model-path", large_path, "--served-model-name", "large"]}
 
-    def serve(system: str) -> ServerProcess:
-        return ServerProcess(systems[system], startup_timeout=600)
+    def serve(system: str, off: int | None = None) -> ServerProcess:
+        argv = ["--config", str(spec_yaml(off))] if off else systems[system]
+        return ServerProcess(argv, startup_timeout=600)
 
     got: dict[str, dict[str, list[list[int]]]] = {}
     if phases & {"same", "chi2"}:
@@ -174,14 +184,15 @@ def main(argv: list[str] | None = None) -> int:
         prompts = questions[-64:]
         rows = []
         names = (["large"] + [f"speculative k={k}" for k in args.draft_tokens]
-                 + [f"speculative k={args.fly_draft_tokens} fly={e:g}" for e in args.fly])
+                 + [f"speculative k={args.fly_draft_tokens} fly={e:g}" for e in args.fly]
+                 + [f"speculative k={args.draft_tokens[0]} off={n}" for n in args.disable_by_batch_size])
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
             for name in order:
                 system = name.split()[0]
-                srv = serve(system)
+                knobs = dict(part.split("=") for part in name.split()[1:])
+                srv = serve(system, int(knobs["off"]) if "off" in knobs else None)
                 try:
-                    knobs = dict(part.split("=") for part in name.split()[1:])
                     routing = {"draft_tokens": int(knobs["k"])} if knobs else None
                     if "fly" in knobs:
                         routing = {**(routing or {}), "fly_entropy_threshold": float(knobs["fly"])}
