@@ -10,8 +10,8 @@ step latencies' prefill slopes) the controller re-plans with the continuous-time
 catch-up it measures, once it has seen enough visits: the tokens the small model wrote between two
 of the large model's visits, counted only over runs that did reach the large model. Runs cut by a
 request's end never do, so on real routers the catch-up is below what a geometric gap of the same p
-implies (docs/BENCHMARKS.md, "Real send patterns", three runs: the chain with it within 11 % at the
-12 points it solved, within 5 % at 4; the geometric one 35-41 % low for Co-LLM).
+implies (docs/BENCHMARKS.md, "Real send patterns": the chain with it within 6 % at nine points, the
+geometric one 10-13 % low for Co-LLM).
 
 With the large model's look-ahead on (`look_ahead`; docs/DESIGN.md section 3) its algorithm hands
 every request back after one token, so a large-model token right after another is a request that

@@ -27,12 +27,13 @@ handing it to L, so a gap of g is g + 1 S steps, the last one's token dropped. S
 tokens L writes before handing the request back (>= 1).
 
 Lives: with gaps and spans drawn independently every request routes alike from its first token to
-its last. Measured requests do not (docs/BENCHMARKS.md, "Real send patterns"): a Co-LLM request
-sends every 5.8 steps on average while it sends, then ends in an S run of 30 steps that sends
-nothing. `lives` replays that: each life is one measured request's visits in order, (model, steps,
-fed) with model 0 = S and 1 = L (tokenrouter.bench.trace_reader.visit_runs); a request runs its life's
-visits, its last visit ends it (its last token kept), and the closed loop replaces it at once with
-a life drawn at random, starting on S. An S visit of k steps that sends is a gap of k - 1 tokens, an
+its last. Measured requests do not (docs/BENCHMARKS.md, "Real send patterns"): runs cut by a
+request's end never send, so a request sends in shorter runs than its mean run length implies and
+often ends in a long S run that sends nothing. `lives` replays that: each life is one measured
+request's visits in order, (model, steps, fed) with model 0 = S and 1 = L
+(tokenrouter.bench.trace_reader.visit_runs); a request runs its life's visits, its last visit ends
+it (its last token kept), and the closed loop replaces it at once with a life drawn at random,
+starting on S. An S visit of k steps that sends is a gap of k - 1 tokens, an
 L visit of m steps a span of m, and a life's last visit keeps every token. Fed is what the visit's
 first step computed beyond one token, as measured, and that is what the step is charged for
 (`l_token` or `s_token` per token): the other model's tokens since the last visit, and on a first
