@@ -212,6 +212,15 @@ def test_requests_that_start_under_load_are_written_by_the_verifier_alone(paths)
     assert [list(o.outputs[0].token_ids) for o in outs] == [t for t, _ in alone(paths["large"], PROMPTS, SEEDS,
                                                                                   **params)]
     assert stats["large"].drafts_verified > 0 and stats["large"].threaded_steps > 0
+    # N = 1: every request is the verifier's alone; past the prompts' prefill (more rows than a
+    # shared step takes) each of its steps runs on every core, the drafter holding nothing
+    cfg["algorithm"]["disable_by_batch_size"] = 1
+    with RoutedLLM(cfg) as llm:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SamplingParams(**params), use_tqdm=False,
+                            timeout=120)
+        large = llm.entry.stats()["large"]
+    assert all(set(o.outputs[0].token_models) == {"large"} for o in outs)
+    assert large.steps - len(PROMPTS) <= large.threaded_steps < large.steps, (large.threaded_steps, large.steps)
     assert Speculative(["a", "b"]).alone_at(100) is None
     at_three = Speculative(["a", "b"], disable_by_batch_size=3)
     assert [at_three.alone_at(n) for n in (1, 2, 3, 9)] == [None, None, "b", "b"]

@@ -116,11 +116,16 @@ def test_beside_co_located_peers_every_core_only_at_one_live_request(boards):
         CoreShare(2, 8, mine, max_live=0)
 
 
-def test_beside_co_located_peers_that_hold_nothing_every_core_at_any_load(boards):
+def test_beside_co_located_peers_that_hold_nothing_every_core_for_requests_written_alone(boards):
     """A peer holding no request (speculative's requests under load go to the verifier alone) has no
-    step coming: the model takes every core for a small step however many requests it holds."""
+    step coming while this model hands none over: it takes every core for a small step however many
+    requests it holds, if it writes them all alone."""
     mine, peer = boards
     share = CoreShare(2, 8, mine, max_live=1)
+    peer.hold(0)
+    with share.step(4, live=4) as threads:  # it may hand a request over: the peer may step soon
+        assert threads == 1
+    share.routes = False
     peer.hold(1)
     assert mine.others_hold() and not peer.others_hold()
     with share.step(4, live=4) as threads:

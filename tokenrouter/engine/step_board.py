@@ -15,9 +15,9 @@ pay: models/quantized_linear.py) while no other model's slot is set; one thread 
 steps come with load, when the server's other processes have work). A model alone on its host takes
 it at any load. Beside co-located peers (runtime/group_config.py `GroupConfig.core_sharing`) a model
 takes it only while it holds at most one live request (then the group serves one request, which is
-on one model at a time, so the models take turns) or while no peer holds any request (then it serves
-alone in effect: speculative's `disable_by_batch_size` sends the requests that start under load to
-the verifier alone). Otherwise sharing measured slower (the default pair at 8: 166 tok/s against
+on one model at a time, so the models take turns) or while it writes every request it holds alone
+and no peer holds any (speculative's `disable_by_batch_size` sends the requests that start under
+load to the verifier alone). Otherwise sharing measured slower (the default pair at 8: 166 tok/s against
 219-233 with one thread each), because after each step the second thread's OpenMP spin-wait keeps a
 core the peer's step needs. Co-located subservers are started with the spin cut to
 `COLOCATED_SPINCOUNT` rounds (libgomp's GOMP_SPINCOUNT, read when the process loads it; the default
@@ -112,14 +112,22 @@ class StepBoard:
 class CoreShare:
     """Sizes each step's torch threads: all of `cores` for a step of at most `max_rows` rows while no
     other model on `board` runs a step (and, with `max_live`, while this model holds at most that
-    many live requests or no other model holds any), one otherwise; marks this model's slot while its
-    step runs. Without a board (one model alone on the host) only the rows decide."""
+    many live requests, or holds none it may hand to a peer while no other model holds any), one
+    otherwise; marks this model's slot while its step runs. Without a board (one model alone on the
+    host) only the rows decide.
+
+    `routes`: whether this model holds a request it may hand to a peer (one its algorithm routes, not
+    one it writes alone); its subserver sets it after every pass of its loop. Why it counts: a routed
+    pair at two requests has stretches where the large model holds none (both requests fresh on the
+    small one), and sharing there cost the pair 4% (100.6-109.1 against 105.3-110.5 tok/s, four
+    rounds each), the second thread's spin-wait holding the core the large model's next step needs."""
 
     def __init__(self, cores: int, max_rows: int, board: StepBoard | None = None, max_live: int | None = None) -> None:
         if cores < 1 or max_rows < 1 or (max_live is not None and max_live < 1):
             raise ValueError(f"core sharing needs cores, max_rows and max_live >= 1, got {cores}, {max_rows} "
                              f"and {max_live}")
         self.cores, self.max_rows, self.board, self.max_live = cores, max_rows, board, max_live
+        self.routes = True
         self.threads_used: dict[int, int] = {}  # threads -> steps run on that many (for the stats)
 
     @staticmethod
@@ -128,8 +136,8 @@ class CoreShare:
         return len(os.sched_getaffinity(0))
 
     def threads_for(self, rows: int, live: int = 1) -> int:
-        crowded = self.max_live is not None and live > self.max_live and (self.board is None
-                                                                          or self.board.others_hold())
+        crowded = self.max_live is not None and live > self.max_live and (
+            self.routes or self.board is None or self.board.others_hold())
         if rows > self.max_rows or crowded or (self.board is not None and self.board.others_running()):
             return 1
         return self.cores

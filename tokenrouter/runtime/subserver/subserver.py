@@ -155,6 +155,8 @@ class Subserver:
             stepped = self.running and eng.scheduler.has_work() and self._step()
             if self.board is not None:  # a peer sizing its steps reads it (engine/step_board.py CoreShare)
                 self.board.hold(len(eng.reqs))
+            if eng.cores is not None:
+                eng.cores.routes = len(self.states.live) > self.states.alone
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
