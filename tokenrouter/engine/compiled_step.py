@@ -13,9 +13,9 @@ and the StepOutputSpec outputs) runs as one prepared callable over `DecodeInputs
   graph inputs and its KV a tensor offset into the pool, see StaticDecodeAttention.enter_layer), and
   of the output head (logits and the StepOutputSpec outputs): a static-shape graph per bucket, the
   key length S marked dynamic (it grows every step). A batch dimension marked dynamic too (one graph
-  for every bucket) was no faster (docs/BENCHMARKS.md). Compiling the whole step instead unrolls every
-  layer into one graph: for SmolLM2-135M (30 layers) that took 22 minutes for two buckets on a
-  loaded 2-core machine.
+  for every bucket) was no faster (measured with float32 weights, 2026-12-02). Compiling the whole
+  step instead unrolls every layer into one graph: for SmolLM2-135M (30 layers) that took 22 minutes
+  for two buckets on a loaded 2-core machine.
 - CUDA: one `torch.cuda.CUDAGraph` per (bucket, S rounded up to a power of two), all in one memory
   pool; the runner copies each step's inputs into the graph's static buffers and replays. The
   buckets at the shortest S are captured at start-up, longer ones when first needed.
