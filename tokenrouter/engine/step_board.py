@@ -87,11 +87,15 @@ class StepBoard:
         finally:
             flags[self.me] = 0.0
 
+    def _others(self, values: np.ndarray | None) -> int:
+        """How many other models' entries of `values` (flags or held) are set."""
+        if values is None:
+            return 0
+        return int(np.count_nonzero(values)) - int(values[self.me] > 0)
+
     def others_running(self) -> int:
         """How many other models are in a step now."""
-        if self.flags is None:
-            return 0
-        return int(np.count_nonzero(self.flags)) - int(self.flags[self.me] > 0)
+        return self._others(self.flags)
 
     def hold(self, requests: int) -> None:
         """Publish how many requests this model holds."""
@@ -100,9 +104,7 @@ class StepBoard:
 
     def others_hold(self) -> bool:
         """Whether another model holds any request."""
-        if self.held is None:
-            return False
-        return bool(np.count_nonzero(self.held) - int(self.held[self.me] > 0))
+        return self._others(self.held) > 0
 
     def close(self) -> None:
         self.flags = self.held = None

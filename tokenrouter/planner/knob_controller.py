@@ -93,9 +93,11 @@ class KnobController:
         `recent_p99_s` and `recent_load` are those of the window's last part alone (None: not measured)."""
         target = self.target_s
         self.served_windows = self.served_windows + 1 if self.position == 1.0 else 0
-        returns = load is not None and load <= LOAD_SLACK * self.safe_load
-        fell = (recent_p99_s is not None and recent_load is not None and recent_p99_s <= target
-                and recent_load <= LOAD_SLACK * self.safe_load)
+        def held(x: float | None) -> bool:  # a load the served point held (with LOAD_SLACK)
+            return x is not None and x <= LOAD_SLACK * self.safe_load
+
+        returns = held(load)
+        fell = recent_p99_s is not None and recent_p99_s <= target and held(recent_load)
         if p99_s is None or p99_s <= RETURN_BELOW * target or fell:
             self.position = 1.0
         elif p99_s > target:

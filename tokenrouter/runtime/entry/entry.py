@@ -203,7 +203,7 @@ class Entry:
             while (req := self.admission.pop_admissible()) is not None:
                 req.admitted = True
                 if req.plan.options.model is None:  # the algorithm may have one model write it under load
-                    alone = self.algorithm.alone_at(len(self.reqs) - len(self.admission.waiting))
+                    alone = self.algorithm.alone_at(self._live())
                     if alone is not None:
                         req.plan = replace(req.plan, options=replace(req.plan.options, model=alone))
                 if self.adaptation is not None:
@@ -216,9 +216,13 @@ class Entry:
         finally:
             self._broadcast_active()
 
+    def _live(self) -> int:
+        """The group's live requests: admitted, not ended."""
+        return len(self.reqs) - len(self.admission.waiting)
+
     def _broadcast_active(self) -> None:
         """Tell every subserver the group's live count (their launch thresholds depend on it)."""
-        n = len(self.reqs) - len(self.admission.waiting)
+        n = self._live()
         if n != self._active_sent:
             self._active_sent = n
             self.pool.broadcast(Active(n))
