@@ -1,13 +1,14 @@
-"""Where the quantized products pay: the crossover behind quantized_linear.MAX_ROWS.
+"""Where the quantized products pay: the crossovers behind quantized_linear.MAX_ROWS and WIDE_ROWS.
 
 Question: for SmolLM2's linear layers as its GGUF file stores them (Q4_1 blocks, on torch's int4 CPU
-kernel) against the float32 weights (the skinny GEMM on one thread, oneDNN on more), at how many
-rows of a step does the float path take over, on one thread and on two?
+kernel) against the float32 weights (the skinny GEMM on one thread, oneDNN on more) and against the
+same values in bfloat16 on oneDNN (where it runs bfloat16 natively), at how many rows of a step does
+each other path take over, on one thread and on two?
 
 All 30 layers' products (q/k/v, o, gate/up, down: 30 distinct weights each, so nothing stays in the
 caches between layers, as in a real step) plus the head (SmolLM2's Q8_0 blocks, and its float32
-weight), per row count, best of --repeats. Prints milliseconds per step and the ratio float /
-quantized (above 1: the quantized path is faster).
+weight), per row count, best of --repeats. Prints milliseconds per step and the ratios float /
+quantized and bfloat16 / quantized (above 1: the quantized path is faster).
 
     .venv/bin/python benchmarks/quantized_linear_costs.py
     .venv/bin/python benchmarks/quantized_linear_costs.py --rows 1 4 8 16 --threads 1
@@ -24,7 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 12, 16, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8, 9, 12, 16, 32, 64])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
@@ -41,6 +42,8 @@ def main() -> None:
     blocks = read_gguf(folder / "model.gguf", cfg)
     skinny = skinny_gemm.load_kernel()
     layers = []
+    wide = []  # the same values in bfloat16 for oneDNN (the `wide` form, quantized_linear.WIDE_ROWS)
+    bfloat16 = onednn_linear.bfloat16_available()
     for i in range(cfg.num_layers):
         for parts in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
             ws = [blocks[f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}.weight"]
@@ -49,6 +52,7 @@ def main() -> None:
                                  torch.cat([w.mins for w in ws]) if ws[0].mins is not None else None)
             dense = merged.dequantize()
             layers.append((quantized_linear.from_blocks(merged), packed_linear.pack(dense, skinny), dense.shape[1]))
+            wide.append((onednn_linear.pack(dense.to(torch.bfloat16)), dense.shape[1]))
     head_blocks = blocks["model.embed_tokens.weight"]
     assert isinstance(head_blocks, BlockWeight)
     head_dense = head_blocks.dequantize()
@@ -78,10 +82,19 @@ def main() -> None:
                     else:
                         packed_linear.linear(xs[k], packed, None)
 
+            def run_wide() -> None:
+                xb = {k: x.to(torch.bfloat16) for k, x in xs.items()}
+                for packed, k in wide:
+                    onednn_linear.linear(xb[k], packed, None)
+
             lq, lf = timed(lambda: run(True, layers)), timed(lambda: run(False, layers))
             hq, hf = timed(lambda: run(True, [head])), timed(lambda: run(False, [head]))
+            lw = ""
+            if bfloat16:
+                lb = timed(run_wide)
+                lw = f"   bfloat16 {lb:7.2f} (ratio {lb / lq:5.2f})"
             print(f"  rows {rows:3d}: quantized {lq:7.2f} | {hq:6.2f}   float {lf:7.2f} | {hf:6.2f}   "
-                  f"ratio {lf / lq:5.2f} | {hf / hq:5.2f}", flush=True)
+                  f"ratio {lf / lq:5.2f} | {hf / hq:5.2f}{lw}", flush=True)
 
 
 if __name__ == "__main__":

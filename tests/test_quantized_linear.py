@@ -20,7 +20,7 @@ from gguf.quants import dequantize, quantize
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.model_runner import StepOutputSpec
-from tokenrouter.models import quantized_linear, skinny_gemm
+from tokenrouter.models import onednn_linear, quantized_linear, skinny_gemm
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.gguf_weights import BLOCK, GGUF_FILE, BlockWeight, decode_blocks, read_gguf, write_gguf
 from tokenrouter.models.llama import DecoderLayer
@@ -163,6 +163,38 @@ def test_quantized_screen_gives_the_full_heads_top(tmp_path, kind):
     assert ((approx.double() - full.double()).abs() <= scale[:, None] * columns[None] + offset).all()
 
 
+def test_a_wide_ranked_top_on_the_quantized_screen_recomputes_few_columns():
+    """A wide top-k (R2R reads 100) the screen's bound cannot narrow: the exact top-k would recompute
+    more than `max_columns` (the full head instead); ranked by the screen (exact=False) it recomputes
+    the argmax's candidates and the k ranked columns, and gives the argmax exactly and each ranked
+    column's exact logit, descending."""
+    gemm = skinny_kernel()
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(4000, 96, generator=gen) * 0.3
+    blocks = quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    block = decode_blocks("head", "Q4_1", blocks.reshape(4000, -1), 4000, 96)
+    weight = block.dequantize().contiguous()
+    head = ScreenedHead(weight, gemm)
+    head.add_quantized(quantized_linear.from_blocks(block), block)
+    x = torch.randn(3, 96, generator=gen)
+    k = 120
+    torch.set_num_threads(2)
+    try:
+        assert head.uses_quantized(x)
+        wide = head.columns(x, k)
+        ranked = head.top(x, k, exact=False)
+        approx = head.approx(x)
+    finally:
+        torch.set_num_threads(1)
+    assert wide is not None and len(wide) > head.max_columns  # so the exact top would take the full head
+    full = gemm(x, skinny_gemm.pack(weight), 4000, None)
+    assert ranked is not None and ranked.values is not None and ranked.ids is not None
+    assert torch.equal(ranked.argmax, full.argmax(dim=1))
+    assert torch.equal(ranked.ids.sort(dim=1).values, approx.topk(k, dim=1).indices.sort(dim=1).values)
+    assert torch.equal(ranked.values, full.gather(1, ranked.ids))
+    assert (ranked.values[:, :-1] >= ranked.values[:, 1:]).all()
+
+
 # ---- engines ------------------------------------------------------------------------------------
 
 def gguf_folder(src: Path, dst: Path, linear_kind: str, embedding_kind: str = "Q8_0") -> Path:
@@ -218,19 +250,28 @@ def close_until_they_part(a: list[tuple[list[int], torch.Tensor]], b: list[tuple
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monkeypatch):
     """Under auto the folder's blocks serve decode steps (every linear layer on the int4 kernel) and a
-    prompt of more rows than MAX_ROWS takes the float weights; the logits stay within the products'
+    prompt of WIDE_ROWS rows or more takes the weights' values in bfloat16 on oneDNN where it runs
+    them natively (else the float32 weights, from MAX_ROWS on); the logits stay within the products'
     rounding of the float path's (none), and the engine says what it serves."""
     need_compiler()
     folder = gguf_folder(model_paths["llama"], tmp_path / "m", kind)
     quant, plain = engine(folder), engine(folder, quantization="none")
     assert quant.quantization == f"gguf ({', '.join(sorted({kind, 'Q8_0'}))})"  # the embedding is Q8_0
     assert plain.quantization == "none"
+    wide = onednn_linear.bfloat16_available()
+    layers = [m for m in quant.model.modules() if hasattr(m, "wide")]
+    assert layers and all((m.wide is not None) == wide and (m.packed is None) == wide for m in layers)
     calls: list[int] = []
     real = quantized_linear.product
     monkeypatch.setattr(quantized_linear, "product", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    wide_rows: list[int] = []
+    real_linear = onednn_linear.linear
+    monkeypatch.setattr(onednn_linear, "linear", lambda x, w, b: (x.dtype == torch.bfloat16 and wide_rows.append(
+        x.shape[0])) or real_linear(x, w, b))
     prompts = prompts_of([20, 5, 3], seed=1)
     a, b = logits_of(quant, prompts, 6), logits_of(plain, prompts, 6)
-    assert calls and max(calls) <= quantized_linear.MAX_ROWS
+    assert calls and max(calls) <= (quantized_linear.WIDE_ROWS - 1 if wide else quantized_linear.MAX_ROWS)
+    assert (min(wide_rows) >= quantized_linear.WIDE_ROWS) if wide else not wide_rows
     layers = quant.model.config.num_layers
     assert len(calls) % (4 * layers) == 0  # whole steps: qkv, o, gate_up, down of every layer
     assert close_until_they_part(a, b) >= 6

@@ -180,7 +180,7 @@ def test_greedy_steps_take_the_screen_with_the_full_heads_results(model_paths, m
     full.model.lm_head_screened = None
     calls = []
     real_top = ScreenedHead.top
-    monkeypatch.setattr(ScreenedHead, "top", lambda self, x, k: calls.append(len(x)) or real_top(self, x, k))
+    monkeypatch.setattr(ScreenedHead, "top", lambda self, x, *a: calls.append(len(x)) or real_top(self, x, *a))
     a, b = run_steps(screened, greedy), run_steps(full, greedy)
     assert sum(calls) == sum(len(s.reqs) for s in a)  # every sampled row went through the screen
     assert [s.token_ids for s in a] == [s.token_ids for s in b]

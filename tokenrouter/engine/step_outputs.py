@@ -15,6 +15,9 @@ class StepOutputSpec(NamedTuple):
     hidden: bool = False  # last hidden state of each sampled row
     logits: bool = False  # full float32 logits
     top_logits: int = 0  # the k largest logits and their token ids
+    # False: a screened step may give the k its screen ranks highest, with their exact logits
+    # (ScreenedHead.top); for readers of the values as features, not of the k-th id
+    top_exact: bool = True
     entropy: bool = False  # entropy (nats) of the temperature-1 distribution
 
 
@@ -48,7 +51,7 @@ def step_tensors(model: LlamaForCausalLM, hidden: torch.Tensor, spec: StepOutput
     full logits or entropy, the step takes the screen's exact argmax and top-k instead of the logits."""
     screened = model.lm_head_screened
     if greedy and screened is not None and not (spec.logits or spec.entropy) and screened.takes(hidden):
-        top = screened.top(hidden, spec.top_logits)
+        top = screened.top(hidden, spec.top_logits, spec.top_exact)
         if top is not None:
             pair = None if top.values is None or top.ids is None else (top.values, top.ids)
             return StepTensors(hidden, None, pair, None, top.argmax)

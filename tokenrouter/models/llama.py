@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tokenrouter.models import packed_linear, quantized_linear, skinny_gemm
+from tokenrouter.models import onednn_linear, packed_linear, quantized_linear, skinny_gemm
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
@@ -92,6 +92,7 @@ class FlatLayer(NamedTuple):
     kv_heads: int
     head_dim: int
     quantized: QuantizedLayer | None  # where all four products have a quantized weight
+    quantized_rows: int  # the most rows of a step `quantized` takes
 
 
 class QuantizedLayer(NamedTuple):
@@ -122,7 +123,8 @@ class DecoderLayer(nn.Module):
         return FlatLayer(self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
                          a.qkv_proj.product, a.qkv_proj.bias, a.o_proj.product, a.o_proj.bias,
                          mlp.gate_up_proj.product, mlp.down_proj.product, a.layer, a.num_heads, a.num_kv_heads,
-                         a.head_dim, None if None in weights else QuantizedLayer(*weights))
+                         a.head_dim, None if None in weights else QuantizedLayer(*weights),
+                         min(m.quantized_rows for m in (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)))
 
     def fused_forward(self, x: torch.Tensor, rope: Rope, attn: AttentionBackend, ops: FusedOps) -> torch.Tensor:
         """`forward` on the fused C ops (models/fused_ops.py) for a layer without q/k norms on one rank
@@ -136,7 +138,7 @@ class DecoderLayer(nn.Module):
         conversion ops a layer fewer, about 2 us each)."""
         f = self.flat
         assert f is not None, "fused_forward needs the layer's FlatLayer (use_fused_ops)"
-        q = f.quantized if x.shape[0] <= quantized_linear.MAX_ROWS else None
+        q = f.quantized if x.shape[0] <= f.quantized_rows else None
         h, hk, d = f.heads, f.kv_heads, f.head_dim
         if q is None:
             qkv = f.qkv(ops.rms_norm(x, f.input_norm, f.eps)[1], f.qkv_bias)
@@ -207,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
         self.lm_head_packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
+        self.max_step_rows = 0  # pack_linear_weights: the most rows a step runs
         self.lm_head_screened: ScreenedHead | None = None  # pack_linear_weights, with the skinny kernel
         self.fused_ops: FusedOps | None = None  # use_fused_ops
 
@@ -249,6 +252,7 @@ class LlamaForCausalLM(nn.Module):
         and warm up the row counts a step of up to `max_step_rows` rows, sampling up to
         `max_sampled_rows`, runs at. The original weights stay for loading and tests."""
         assert self.tp.size == 1, "packed linears are for a single rank"
+        self.max_step_rows = max_step_rows
         pairs = []
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -264,23 +268,33 @@ class LlamaForCausalLM(nn.Module):
         """Give the linear layers, and the head's screen where it has one, a quantized form for the
         quantized kernel's row counts (models/quantized_linear.py): from `blocks` (a GGUF file's
         tensors by Hugging Face name, gguf_weights.read_gguf) or, with None, int8 per output channel
-        of the float weights. Returns the weights left on the float path: those whose tensors are
+        of the float weights. Where oneDNN runs bfloat16 natively, a quantized weight's larger inputs
+        take its values in bfloat16 (`wide`, quantized_linear.WIDE_ROWS) instead of the packed float32
+        weight, which is dropped. Returns the weights left on the float path: those whose tensors are
         not all blocks of one kind (a fused q/k/v or gate/up must be). Call after pack_linear_weights."""
         assert self.tp.size == 1, "quantized linears are for a single rank"
         left = []
+        wide = onednn_linear.bfloat16_available()
+        widened = []
         for name, module in self.named_modules():
             if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 continue
             if blocks is None:
                 module.quantized = quantized_linear.int8_per_channel(module.weight)
-                continue
-            parts = [blocks.get(f"{name}.weight".replace(".qkv_proj.", f".{p}.").replace(".gate_up_proj.", f".{p}."))
-                     for p in _FUSED_PARTS.get(name.rsplit(".", 1)[-1], ("",))]
-            merged = _merge_blocks(parts)
-            if merged is None:
-                left.append(name)
             else:
+                stored = f"{name}.weight"
+                parts = [blocks.get(stored.replace(".qkv_proj.", f".{p}.").replace(".gate_up_proj.", f".{p}."))
+                         for p in _FUSED_PARTS.get(name.rsplit(".", 1)[-1], ("",))]
+                merged = _merge_blocks(parts)
+                if merged is None:
+                    left.append(name)
+                    continue
                 module.quantized = quantized_linear.from_blocks(merged)
+            if wide:
+                values = module.weight.detach().to(torch.bfloat16)
+                module.wide, module.packed = onednn_linear.pack(values), None
+                widened.append((values, module.wide))
+        onednn_linear.warm_up(widened, self.max_step_rows, min_rows=quantized_linear.WIDE_ROWS)
         head_name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         if self.lm_head_screened is not None:
             source = None if blocks is None else blocks.get(head_name)

@@ -29,6 +29,11 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def bfloat16_available() -> bool:
+    """Whether oneDNN runs bfloat16 products natively here (AVX512-BF16 or AMX), not emulated."""
+    return available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] reordered for `linear` (an opaque oneDNN tensor; the original stays)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
@@ -67,14 +72,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, exact_rows: bool = True) -> None:
+def warm_up(weights: list[tuple[torch.Tensor, torch.Tensor]], max_rows: int, exact_rows: bool = True,
+            min_rows: int = 1) -> None:
     """Run each distinct weight shape of (weight, packed) pairs at every row count it can see in
-    inputs of up to `max_rows` rows (twice: oneDNN's memory settles on the second pass, measured);
-    `exact_rows` False: only the blocks (another kernel takes the counts up to MAX_EXACT_ROWS)."""
-    shapes = {tuple(w.shape): p for w, p in weights}
-    exact = list(range(1, min(max_rows, MAX_EXACT_ROWS) + 1)) if exact_rows else []
+    inputs of `min_rows` to `max_rows` rows (twice: oneDNN's memory settles on the second pass,
+    measured), in the weights' dtype; `exact_rows` False: only the blocks (another kernel takes the
+    counts up to MAX_EXACT_ROWS)."""
+    shapes = {tuple(w.shape): (p, w.dtype) for w, p in weights}
+    exact = list(range(min_rows, min(max_rows, MAX_EXACT_ROWS) + 1)) if exact_rows else []
     counts = exact + [b for b in BLOCK_ROWS if b <= max_rows]
     for _ in range(2):
         for rows in counts:
-            for (_, width), p in shapes.items():
-                product(torch.zeros(rows, width), p, None)
+            for (_, width), (p, dtype) in shapes.items():
+                product(torch.zeros(rows, width, dtype=dtype), p, None)

@@ -22,14 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenrouter.models import packed_linear, quantized_linear
+from tokenrouter.models import onednn_linear, packed_linear, quantized_linear
 from tokenrouter.models.tp_group import TPGroup
 
 
 class _Linear(nn.Module):
-    """A linear layer's product on one rank: the quantized weight for inputs of up to
-    `quantized_linear.MAX_ROWS` rows where it has one (models/quantized_linear.py), else the
-    prepacked float weight where packed (models/packed_linear.py), else F.linear."""
+    """A linear layer's product on one rank: the quantized weight for inputs of up to `quantized_rows`
+    rows where it has one (models/quantized_linear.py), the weight's values in bfloat16 on oneDNN
+    above that where it has them (`wide`), else the prepacked float weight where packed
+    (models/packed_linear.py), else F.linear."""
 
     def __init__(self, out_features: int, in_features: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
@@ -38,10 +39,19 @@ class _Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
         self.quantized: quantized_linear.QuantizedLinear | None = None  # quantize_linear_weights
+        self.wide: torch.Tensor | None = None  # quantize_linear_weights: bfloat16, packed for oneDNN
+
+    @property
+    def quantized_rows(self) -> int:
+        """The most rows of an input the quantized weight takes."""
+        return quantized_linear.MAX_ROWS if self.wide is None else quantized_linear.WIDE_ROWS - 1
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.quantized is not None and x.shape[0] <= quantized_linear.MAX_ROWS:
+        if self.quantized is not None and x.shape[0] <= self.quantized_rows:
             return quantized_linear.linear(x, self.quantized, bias)
+        if self.wide is not None:
+            y = onednn_linear.linear(x.to(torch.bfloat16), self.wide, None).to(x.dtype)
+            return y if bias is None else y + bias
         if self.packed is not None:
             return packed_linear.linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

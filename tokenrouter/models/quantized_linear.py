@@ -32,6 +32,12 @@ _PAD = 16
 # SmolLM2's 30 layers (benchmarks/quantized_linear_costs.py, 2026-12-05) the quantized products were
 # 4.1x / 4.6x the float ones at 1 row (one / two threads), 1.15x / 1.29x at 16 and 0.85x / 0.97x at 32.
 MAX_ROWS = 16
+# Where the weights also come as their values in bfloat16 on oneDNN (`wide`, where it runs them
+# natively), the layers take those from this many rows on: the int4 kernel's cost steps up every four
+# rows, oneDNN's bfloat16 (AMX) is flat to 16 rows. SmolLM2's 30 layers on two threads took 12.4 ms
+# at 8 rows and 17.5 at 9 on the int4 kernel, 15.6 and 15.9 in bfloat16; at 50 rows (a prompt)
+# 20.1 ms against 61.0 on the float32 weights (benchmarks/quantized_linear_costs.py, 2026-12-06).
+WIDE_ROWS = 9
 
 
 class QuantizedLinear(NamedTuple):

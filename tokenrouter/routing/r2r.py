@@ -29,7 +29,9 @@ class R2R(HeadDeferral):
 
     def outputs(self, model: str) -> StepOutputSpec:
         if model == self.small:
-            return StepOutputSpec(hidden=True, top_logits=self.top_k)
+            # the router reads the top-k values as features: the screen's ranking moves its score by
+            # under 1e-5 (ScreenedHead.top) and saves recomputing the head
+            return StepOutputSpec(hidden=True, top_logits=self.top_k, top_exact=False)
         return StepOutputSpec()
 
     def bind(self, model: str, engine: Engine) -> None:
