@@ -34,9 +34,10 @@ _PAD = 16
 MAX_ROWS = 16
 # Where the weights also come as their values in bfloat16 on oneDNN (`wide`, where it runs them
 # natively), the layers take those from this many rows on: the int4 kernel's cost steps up every four
-# rows, oneDNN's bfloat16 (AMX) is flat to 16 rows. SmolLM2's 30 layers on two threads took 12.4 ms
-# at 8 rows and 17.5 at 9 on the int4 kernel, 15.6 and 15.9 in bfloat16; at 50 rows (a prompt)
-# 20.1 ms against 61.0 on the float32 weights (benchmarks/quantized_linear_costs.py, 2026-12-06).
+# rows, oneDNN's bfloat16 (AMX) is flat to 16 rows. SmolLM2's 30 layers on two threads took 12.5 ms
+# at 8 rows and 17.7 at 9 on the int4 kernel, 12.6 and 12.9 in bfloat16 (one thread: 23.1 / 28.0
+# against 23.1 / 22.9); at 64 rows (a prompt chunk) 16.7 ms against 64.1 on the float32 weights
+# (benchmarks/quantized_linear_costs.py, 2026-12-06).
 WIDE_ROWS = 9
 
 
