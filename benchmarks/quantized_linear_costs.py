@@ -52,7 +52,8 @@ def main() -> None:
                                  torch.cat([w.mins for w in ws]) if ws[0].mins is not None else None)
             dense = merged.dequantize()
             layers.append((quantized_linear.from_blocks(merged), packed_linear.pack(dense, skinny), dense.shape[1]))
-            wide.append((onednn_linear.pack(dense.to(torch.bfloat16)), dense.shape[1]))
+            if bfloat16:
+                wide.append((onednn_linear.pack(dense.to(torch.bfloat16)), dense.shape[1]))
     head_blocks = blocks["model.embed_tokens.weight"]
     assert isinstance(head_blocks, BlockWeight)
     head_dense = head_blocks.dequantize()

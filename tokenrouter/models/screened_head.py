@@ -117,11 +117,11 @@ class ScreenedHead:
         xd = x.double()
         return xd.norm(dim=1), b.columns, b.flushed * (1 + float(xd.abs().max()))
 
-    def columns(self, x: torch.Tensor, k: int) -> torch.Tensor | None:
-        """The columns (ascending) the screen cannot rule out of some row's k largest logits (k >= 1)."""
-        approx = self.approx(x)
+    def columns(self, x: torch.Tensor, k: int, approx: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The columns (ascending) the screen cannot rule out of some row's k largest logits (k >= 1);
+        `approx`: the screen's products of x where already computed."""
         scale, columns, offset = self.bounds(x)
-        return self.kernel.select(approx, k, scale, columns, offset)
+        return self.kernel.select(self.approx(x) if approx is None else approx, k, scale, columns, offset)
 
     def top(self, x: torch.Tensor, k: int, exact: bool = True) -> ScreenedTop | None:
         """x [rows, hidden] float32: each row's argmax and, for k > 0, its k largest exact logits (k <= vocab;
@@ -133,15 +133,11 @@ class ScreenedHead:
         for it. The argmax stays exact. Why: a wide k (R2R's 100) on the quantized screen leaves
         thousands of columns to recompute (6,000-14,000 of the default student's 49,152, more than
         `max_columns`, so the full head), where its features move the router's score by under 1e-5."""
-        if exact or k <= 1:
-            cols = self.columns(x, max(k, 1))
-            ranked = None
-        else:
-            approx = self.approx(x)
-            cols = self.kernel.select(approx, 1, *self.bounds(x))
-            ranked = approx.topk(k, dim=1).indices
-            if cols is not None:
-                cols = torch.cat([cols, ranked.flatten()]).unique()  # ascending, as select's
+        approx = self.approx(x)
+        ranked = None if exact or k <= 1 else approx.topk(k, dim=1).indices
+        cols = self.columns(x, max(k, 1) if ranked is None else 1, approx)
+        if cols is not None and ranked is not None:
+            cols = torch.cat([cols, ranked.flatten()]).unique()  # ascending, as select's
         if cols is None or len(cols) > self.max_columns:
             return None
         products = self.kernel.gather(x, self.weight, cols)
