@@ -18,7 +18,8 @@ Phases:
             ones pooled)
   speed     32 requests, up to EOS or 64 tokens (the same answers on both systems), closed loop
             at --concurrency, each k of
-            --draft-tokens, each N of --disable-by-batch-size (the first k, the group's
+            --draft-tokens, each starting k of --heuristic (draft_schedule "heuristic": the run
+            follows the request's acceptance), each N of --disable-by-batch-size (the first k, the group's
             `disable_by_batch_size` N: requests that start beside N - 1 others are SmolLM2's alone)
             and SmolLM2 alone, --rounds rounds in rotated order; output tokens per
             second (median over rounds), the ratio to SmolLM2 alone, and the share of tokens
@@ -106,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--same", type=int, default=200)
     ap.add_argument("--draws", type=int, default=1000)
     ap.add_argument("--draft-tokens", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--heuristic", type=int, nargs="*", default=[],
+                    help="starting draft lengths to time under the heuristic draft_schedule")
     ap.add_argument("--fly", type=float, nargs="*", default=[], help="FLy entropy thresholds (lossy) to time")
     ap.add_argument("--fly-draft-tokens", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, nargs="*", default=[],
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = questions[-64:]
         rows = []
         names = (["large"] + [f"speculative k={k}" for k in args.draft_tokens]
+                 + [f"speculative k={k} schedule=heuristic" for k in args.heuristic]
                  + [f"speculative k={args.fly_draft_tokens} fly={e:g}" for e in args.fly]
                  + [f"speculative k={args.draft_tokens[0]} off={n}" for n in args.disable_by_batch_size])
         for r in range(args.rounds):
@@ -196,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                     routing = {"draft_tokens": int(knobs["k"])} if knobs else None
                     if "fly" in knobs:
                         routing = {**(routing or {}), "fly_entropy_threshold": float(knobs["fly"])}
+                    if "schedule" in knobs:
+                        routing = {**(routing or {}), "draft_schedule": knobs["schedule"]}
                     for c in args.concurrency:
                         row = {"round": r, "system": name, "concurrency": c,
                                **speed(srv.url, system, prompts, c, routing)}

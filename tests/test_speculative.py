@@ -43,11 +43,13 @@ def rigs():
         rig.close()
 
 
-def speculative_rig(rigs: list[Rig], paths, drafter: str, draft_tokens: int = 3, **extra) -> Rig:
+def speculative_rig(rigs: list[Rig], paths, drafter: str, draft_tokens: int = 3, draft_schedule: str = "constant",
+                    **extra) -> Rig:
     """`drafter` "small": a random model that rarely agrees; "large": the verifier's own weights, which
     agree but where a step's batch shape rounds a near tie the other way."""
     rig = Rig({"small": paths[drafter], "large": paths["large"]}, 0.0,
-              algorithm={"name": "speculative", "draft_tokens": draft_tokens}, **extra)
+              algorithm={"name": "speculative", "draft_tokens": draft_tokens, "draft_schedule": draft_schedule},
+              **extra)
     rigs.append(rig)
     return rig
 
@@ -148,7 +150,33 @@ def test_drafts_are_verified_whole_when_the_prefill_is_chunked(rigs, paths):
     assert rig.large.engine.stats.drafts_accepted > 0
 
 
+@pytest.mark.parametrize("drafter", ["small", "large"])
+def test_the_heuristic_schedule_lengthens_runs_kept_whole_and_shortens_cut_ones(rigs, paths, drafter):
+    """The verifier's own weights keep nearly every draft: from runs of 1 the heuristic grows them, so
+    fewer hand-offs than drafting 1 each time. A random drafter is cut at once: from runs of 4 it
+    shrinks them, so fewer drafts verified (and rejected) than drafting 4 each time. Answers unchanged."""
+    start = 1 if drafter == "large" else 4
+    params = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    want = alone(paths["large"], PROMPTS, SEEDS, **params)
+    counts = {}
+    for schedule in ("constant", "heuristic"):
+        rig = speculative_rig(rigs, paths, drafter, draft_tokens=start, draft_schedule=schedule)
+        got = serve(rig, PROMPTS, SEEDS, **params)
+        assert [(toks, reason) for toks, reason, _ in got] == want, schedule
+        assert not rig.small.algorithm.runs, "a finished request's drafting state is freed"
+        counts[schedule] = (rig.small.stats().handoffs_sent, rig.large.engine.stats.drafts_verified)
+    (sent_c, verified_c), (sent_h, verified_h) = counts["constant"], counts["heuristic"]
+    if drafter == "large":
+        assert sent_h <= 0.6 * sent_c, counts
+    else:
+        assert verified_h < 0.7 * verified_c, counts
+
+
 def test_bad_draft_lengths_and_drafts_the_engine_cannot_verify_are_refused(paths):
+    with pytest.raises(RoutingParamError, match="draft_schedule"):
+        Speculative.check_request_params({"draft_schedule": "adaptive"})
+    with pytest.raises(ValueError, match="draft_schedule"):
+        make_algorithm("speculative", ["a", "b"], {"draft_schedule": 3})
     with pytest.raises(RoutingParamError, match="draft_tokens"):
         Speculative.check_request_params({"draft_tokens": 0})
     with pytest.raises(RoutingParamError, match="draft_tokens"):

@@ -14,6 +14,11 @@ verifier also keeps a draft it would reject where it is unsure itself and agrees
 second model's own answers toward the first's; it needs runs of two drafts or more. 1, the default,
 is exact: everything above holds only there.
 
+The run's length (`draft_schedule`): "constant" drafts `draft_tokens` every run; "heuristic"
+(transformers' `num_assistant_tokens_schedule` rule) starts there and, per request, drafts two more
+after a run the verifier kept whole and one fewer after a run it cut, from 1 (2 under the lossy knob)
+to MAX_DRAFT_TOKENS: the run follows the acceptance the request meets.
+
 Under load (`disable_by_batch_size`, vLLM's `speculative_disable_by_batch_size`): a request that starts
 while the group holds at least that many live requests, itself among them, is written by the
 verifier alone; on a CPU host the verifier then has every core while the drafter holds nothing
@@ -25,6 +30,7 @@ twice. None (the default) drafts at any load.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tokenrouter.engine.model_runner import StepOutput
@@ -36,6 +42,17 @@ if TYPE_CHECKING:
     from tokenrouter.engine.engine import Engine
 
 MAX_DRAFT_TOKENS = 16
+DRAFT_SCHEDULES = ("constant", "heuristic")
+
+
+@dataclass
+class DraftRun:
+    """A request's drafting state on the drafter: `verified` of its tokens are output (past them:
+    drafts), `length` the run it drafts now, `sent` the drafts of the run last sent for verification."""
+
+    verified: int
+    length: int
+    sent: int = 0
 
 
 def draft_length(field: str, value: Any) -> int:
@@ -53,10 +70,11 @@ def lossy_knob(params: Mapping[str, Any]) -> None:
 
 class Speculative(RoutingAlgorithm):
     name = "speculative"
-    request_params = ("draft_tokens", "fly_entropy_threshold", "fly_window_size")
+    request_params = ("draft_tokens", "draft_schedule", "fly_entropy_threshold", "fly_window_size")
 
-    def __init__(self, models: list[str], draft_tokens: int = 1, fly_entropy_threshold: float = 1.0,
-                 fly_window_size: int = 6, disable_by_batch_size: int | None = None) -> None:
+    def __init__(self, models: list[str], draft_tokens: int = 1, draft_schedule: str = "constant",
+                 fly_entropy_threshold: float = 1.0, fly_window_size: int = 6,
+                 disable_by_batch_size: int | None = None) -> None:
         super().__init__(models)
         if len(models) != 2:
             raise ValueError(f"speculative: needs two models (drafter, verifier), got {models}")
@@ -69,12 +87,13 @@ class Speculative(RoutingAlgorithm):
         self.disable_by_batch_size = disable_by_batch_size
         try:
             self.draft_tokens = self.check_request_value("draft_tokens", draft_tokens)
+            self.draft_schedule = self.check_request_value("draft_schedule", draft_schedule)
             self.fly_entropy_threshold = self.check_request_value("fly_entropy_threshold", fly_entropy_threshold)
             self.fly_window_size = self.check_request_value("fly_window_size", fly_window_size)
             lossy_knob(self.request_defaults())
         except RoutingParamError as e:
             raise ValueError(f"speculative: {e}") from None
-        self.verified: dict[str, int] = {}  # rid -> how many of its tokens are output (past them: drafts)
+        self.runs: dict[str, DraftRun] = {}  # rid -> its drafting state (on the drafter)
         self.eos: frozenset[int] = frozenset()
         self.max_len = 0
 
@@ -82,6 +101,10 @@ class Speculative(RoutingAlgorithm):
     def check_request_value(cls, field: str, value: Any) -> Any:
         if field == "fly_entropy_threshold":
             return unit_interval(field, value)
+        if field == "draft_schedule":
+            if value not in DRAFT_SCHEDULES:
+                raise RoutingParamError(field, f"must be one of {', '.join(DRAFT_SCHEDULES)}, got {value!r}")
+            return value
         return draft_length(field, value)
 
     def resolve_request(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -99,10 +122,10 @@ class Speculative(RoutingAlgorithm):
         self.max_len = engine.max_model_len
 
     def on_start(self, req: Req) -> None:
-        self.verified[req.rid] = len(req.tokens)
+        self.runs[req.rid] = DraftRun(len(req.tokens), self.params_of[req.rid]["draft_tokens"])
 
     def on_finish(self, req: Req) -> None:
-        self.verified.pop(req.rid, None)
+        self.runs.pop(req.rid, None)
 
     def send(self, req: Req, dest: str, known: int) -> PeerReq:
         peer = super().send(req, dest, known)
@@ -112,8 +135,17 @@ class Speculative(RoutingAlgorithm):
         return peer
 
     def receive(self, peer: PeerReq, model: str) -> PeerReq:
-        if model == self.drafter and peer.rid in self.verified:
-            self.verified[peer.rid] = peer.loc + len(peer.suffix)  # the verifier's hand-back
+        run = self.runs.get(peer.rid) if model == self.drafter else None
+        if run is None:
+            return peer
+        verified = peer.loc + len(peer.suffix)  # the verifier's hand-back: the drafts it kept, then its own token
+        params = self.params_of[peer.rid]
+        if params["draft_schedule"] == "heuristic" and run.sent:
+            if verified - run.verified - 1 >= run.sent:
+                run.length = min(run.length + 2, MAX_DRAFT_TOKENS)
+            else:
+                run.length = max(run.length - 1, 2 if params["fly_entropy_threshold"] < 1.0 else 1)
+        run.verified, run.sent = verified, 0
         return peer
 
     def route(self, model: str, step: StepOutput) -> list[Route]:
@@ -124,10 +156,13 @@ class Speculative(RoutingAlgorithm):
             if not req.may_draft:
                 routes.append(Route(self.verifier, keep=False))
                 continue
-            n = len(req.tokens) + 1 - self.verified[req.rid]  # this token is the run's n-th draft
+            run = self.runs[req.rid]
+            n = len(req.tokens) + 1 - run.verified  # this token is the run's n-th draft
             p = req.params
-            last = (n >= self.params_of[req.rid]["draft_tokens"] or (tok in self.eos and not p.ignore_eos)
+            last = (n >= run.length or (tok in self.eos and not p.ignore_eos)
                     or tok in p.stop_token_ids or len(req.tokens) + 1 >= self.max_len
                     or (p.max_tokens is not None and req.num_output + 1 >= p.max_tokens))
+            if last:
+                run.sent = n
             routes.append(Route(self.verifier if last else None, draft=True))
         return routes
