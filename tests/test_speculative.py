@@ -22,7 +22,7 @@ from tokenrouter.engine.model_runner import StepOutputSpec
 from tokenrouter.engine.req import LooseVerify, Req
 from tokenrouter.routing import PeerReq, make_algorithm
 from tokenrouter.routing.algorithm import RoutingParamError
-from tokenrouter.routing.speculative import Speculative
+from tokenrouter.routing.speculative import MAX_DRAFT_TOKENS, DraftRun, Speculative
 from tokenrouter.runtime.entry.reassembly import TokenOut
 from tokenrouter.runtime.messages import Tokens
 from tokenrouter.sampling_params import SamplingParams
@@ -170,6 +170,31 @@ def test_the_heuristic_schedule_lengthens_runs_kept_whole_and_shortens_cut_ones(
         assert sent_h <= 0.6 * sent_c, counts
     else:
         assert verified_h < 0.7 * verified_c, counts
+
+
+@pytest.mark.parametrize("fly", [1.0, 0.5])
+def test_the_heuristic_schedule_moves_a_run_within_its_bounds(fly):
+    """The drafter's hand-backs alone: a run kept whole grows by two up to MAX_DRAFT_TOKENS, a cut one
+    shrinks by one down to 1 (2 under FLy, whose gate needs drafts after a kept one); the constant
+    schedule never moves."""
+    spec = Speculative(["s", "l"], draft_tokens=4, draft_schedule="heuristic", fly_entropy_threshold=fly)
+    constant = Speculative(["s", "l"], draft_tokens=4, fly_entropy_threshold=fly)
+    for alg in (spec, constant):
+        alg.params_of["r"] = alg.resolve_request(None)
+        alg.runs["r"] = DraftRun(verified=10, length=4)
+
+    def hand_back(alg: Speculative, kept: int) -> int:
+        run = alg.runs["r"]
+        run.sent = run.length
+        alg.receive(PeerReq(rid="r", suffix=[7] * (kept + 1), loc=run.verified), "s")
+        return run.length
+
+    assert [hand_back(spec, 0) for _ in range(5)] == ([3, 2, 1, 1, 1] if fly == 1.0 else [3, 2, 2, 2, 2])
+    assert spec.runs["r"].verified == 15 and spec.runs["r"].sent == 0
+    grown = [hand_back(spec, spec.runs["r"].length) for _ in range(9)]
+    assert grown[:3] == ([3, 5, 7] if fly == 1.0 else [4, 6, 8]) and grown[-1] == MAX_DRAFT_TOKENS
+    assert hand_back(spec, MAX_DRAFT_TOKENS - 1) == MAX_DRAFT_TOKENS - 1  # one short of whole: cut
+    assert {hand_back(constant, k) for k in (0, 4, 2)} == {4}
 
 
 def test_bad_draft_lengths_and_drafts_the_engine_cannot_verify_are_refused(paths):
