@@ -186,7 +186,7 @@ def test_the_heuristic_schedule_moves_a_run_within_its_bounds(fly):
     def hand_back(alg: Speculative, kept: int) -> int:
         run = alg.runs["r"]
         run.sent = run.length
-        alg.receive(PeerReq(rid="r", suffix=[7] * (kept + 1), loc=run.verified), "s")
+        alg.receive(PeerReq(rid="r", suffix=[7], loc=run.verified + kept), "s")  # as the verifier hands back
         return run.length
 
     assert [hand_back(spec, 0) for _ in range(5)] == ([3, 2, 1, 1, 1] if fly == 1.0 else [3, 2, 2, 2, 2])
@@ -195,6 +195,20 @@ def test_the_heuristic_schedule_moves_a_run_within_its_bounds(fly):
     assert grown[:3] == ([3, 5, 7] if fly == 1.0 else [4, 6, 8]) and grown[-1] == MAX_DRAFT_TOKENS
     assert hand_back(spec, MAX_DRAFT_TOKENS - 1) == MAX_DRAFT_TOKENS - 1  # one short of whole: cut
     assert {hand_back(constant, k) for k in (0, 4, 2)} == {4}
+    spec.receive(PeerReq(rid="r", suffix=[], loc=0, finished=True), "s")  # a finish notice is no hand-back
+    assert spec.runs["r"].verified > 0
+
+
+def test_a_run_longer_than_the_chunk_budget_is_verified_whole(rigs, paths):
+    """A run of 9 drafts with chunks of 8: its 10 rows cannot split (the drafts and the token before them
+    run together) and no step's budget holds them, so they run whole, over the budget, not never."""
+    rig = speculative_rig(rigs, paths, "large", draft_tokens=9,
+                          engine={"chunked_prefill_size": 8, "max_running_requests": 8})
+    prompts = prompts_of([5, 12], seed=42)
+    params = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
+    got = serve(rig, prompts, SEEDS[:2], **params)
+    assert [(toks, reason) for toks, reason, _ in got] == alone(paths["large"], prompts, SEEDS[:2], **params)
+    assert rig.large.engine.stats.drafts_accepted >= 9
 
 
 def test_bad_draft_lengths_and_drafts_the_engine_cannot_verify_are_refused(paths):

@@ -5,7 +5,7 @@ import os
 # A decode step streams every weight from memory; in 2 MiB pages it misses the TLB far less. torch's
 # CPU allocator gives its large blocks transparent huge pages under THP_MEM_ALLOC_ENABLE, read once, at
 # its first allocation: hence set here, before torch is imported (the subservers inherit it). SmolLM2 at
-# one row on two threads: 11.0 -> 10.6 ms a step; level at 8 and 32 rows (docs/BENCHMARKS.md). A value
+# one row on two threads: 11.46 -> 10.62 ms a step (docs/BENCHMARKS.md, "Against llama.cpp"). A value
 # the user set stands.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

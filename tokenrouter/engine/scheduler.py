@@ -193,14 +193,14 @@ class Scheduler:
         for req in order:
             if req.status is not running or budget == 0:
                 continue  # preempted by an earlier request of this loop, or out of budget
-            n = _chunk(req, len(req.tokens) - req.kv_len, budget)
+            n = _chunk(req, len(req.tokens) - req.kv_len, budget, self.cfg.chunked_prefill_size)
             if n == 0:
                 continue
             if -(-(req.kv_len + n) // p) > len(req.pages) and not self._grow(req, req.kv_len + n, protect=reqs):
                 continue
             reqs.append(req)
             lens.append(n)
-            budget -= n
+            budget = max(0, budget - n)  # a run of drafts may go over it (_chunk)
         # Then admit from the queue, first come first served, while pages and budget allow.
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             # PENDING requests count too: they come back and grow, and a request admitted into
@@ -212,7 +212,7 @@ class Scheduler:
             self.running.append(req)
             reqs.append(req)
             lens.append(n)
-            budget -= n
+            budget = max(0, budget - n)  # a run of drafts may go over it (_chunk)
         # Look-ahead rows last, on a step that launched for other work, with what is left: the
         # budget and free pages only (no eviction, no preemption), and none that a running request
         # may need to run through its tokens and the one it samples next: a page taken here would
@@ -264,7 +264,7 @@ class Scheduler:
         # still wants prompt logprobs takes no cache hit: every prompt position must run through the model.
         # Drafts to verify: the token before them runs too (Req.drafts).
         match = self.cache.match_prefix([] if req.wants_prompt_logprobs else req.tokens[:-1 - req.drafts])
-        n = _chunk(req, len(req.tokens) - match.length, budget)
+        n = _chunk(req, len(req.tokens) - match.length, budget, self.cfg.chunked_prefill_size)
         if n == 0:
             return 0
         need = math.ceil((match.length + n) / p) - len(match.pages)
@@ -333,9 +333,16 @@ class Scheduler:
             )
 
 
-def _chunk(req: Req, remaining: int, budget: int) -> int:
+def _chunk(req: Req, remaining: int, budget: int, whole: int) -> int:
     """How many of req's `remaining` tokens run this step: all that the budget takes, but a chunk
-    that stops short leaves the drafts and the token before them whole for the last chunk (0: wait)."""
+    that stops short leaves the drafts and the token before them whole for the last chunk (0: wait).
+    Those rows cannot split: where they are more than a step's `whole` budget they run together over
+    it (by at most a run of drafts), else no step would ever run them."""
     if remaining <= budget:
         return remaining
-    return max(0, min(budget, remaining - req.drafts - 1)) if req.drafts else budget
+    if not req.drafts:
+        return budget
+    head = remaining - req.drafts - 1
+    if head > 0:
+        return min(budget, head)
+    return remaining if remaining > whole else 0

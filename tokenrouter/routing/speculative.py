@@ -93,7 +93,7 @@ class Speculative(RoutingAlgorithm):
             lossy_knob(self.request_defaults())
         except RoutingParamError as e:
             raise ValueError(f"speculative: {e}") from None
-        self.runs: dict[str, DraftRun] = {}  # rid -> its drafting state (on the drafter)
+        self.runs: dict[str, DraftRun] = {}  # rid -> its drafting state (read on the drafter only)
         self.eos: frozenset[int] = frozenset()
         self.max_len = 0
 
@@ -135,10 +135,11 @@ class Speculative(RoutingAlgorithm):
         return peer
 
     def receive(self, peer: PeerReq, model: str) -> PeerReq:
-        run = self.runs.get(peer.rid) if model == self.drafter else None
+        run = self.runs.get(peer.rid) if model == self.drafter and not peer.finished else None
         if run is None:
             return peer
-        verified = peer.loc + len(peer.suffix)  # the verifier's hand-back: the drafts it kept, then its own token
+        # the verifier's hand-back: loc past the drafts it kept, the suffix its own token
+        verified = peer.loc + len(peer.suffix)
         params = self.params_of[peer.rid]
         if params["draft_schedule"] == "heuristic" and run.sent:
             if verified - run.verified - 1 >= run.sent:
@@ -163,6 +164,6 @@ class Speculative(RoutingAlgorithm):
                     or tok in p.stop_token_ids or len(req.tokens) + 1 >= self.max_len
                     or (p.max_tokens is not None and req.num_output + 1 >= p.max_tokens))
             if last:
-                run.sent = n
+                run.sent = n  # the same value if route runs again after a failure
             routes.append(Route(self.verifier if last else None, draft=True))
         return routes
