@@ -139,15 +139,19 @@ def test_a_request_whose_logits_are_processed_is_written_by_the_verifier(rigs, p
     assert rig.large.engine.stats.drafts_verified == 0
 
 
-def test_drafts_are_verified_whole_when_the_prefill_is_chunked(rigs, paths):
-    """A first visit's prompt and drafts run in chunks of 8: the last chunk keeps every verified row."""
-    rig = speculative_rig(rigs, paths, "large", draft_tokens=4,
+@pytest.mark.parametrize("draft_tokens,lengths,max_tokens", [(4, [21, 26], 10), (9, [5, 12], 24)],
+                         ids=["prompt-in-chunks", "run-over-a-chunk"])
+def test_drafts_are_verified_whole_when_the_prefill_is_chunked(rigs, paths, draft_tokens, lengths, max_tokens):
+    """Chunks of 8: a first visit's prompt and drafts run in chunks, the last keeping every verified row;
+    a run of 9 drafts (10 rows that cannot split, more than any step's budget) runs whole, over the
+    budget, rather than never."""
+    rig = speculative_rig(rigs, paths, "large", draft_tokens=draft_tokens,
                           engine={"chunked_prefill_size": 8, "max_running_requests": 8})
-    prompts = prompts_of([21, 26], seed=41)
-    params = dict(max_tokens=10, ignore_eos=True, temperature=0.0)
+    prompts = prompts_of(lengths, seed=41 if draft_tokens == 4 else 42)
+    params = dict(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     got = serve(rig, prompts, SEEDS[:2], **params)
     assert [(toks, reason) for toks, reason, _ in got] == alone(paths["large"], prompts, SEEDS[:2], **params)
-    assert rig.large.engine.stats.drafts_accepted > 0
+    assert rig.large.engine.stats.drafts_accepted >= (1 if draft_tokens == 4 else 9)
 
 
 @pytest.mark.parametrize("drafter", ["small", "large"])
@@ -197,18 +201,6 @@ def test_the_heuristic_schedule_moves_a_run_within_its_bounds(fly):
     assert {hand_back(constant, k) for k in (0, 4, 2)} == {4}
     spec.receive(PeerReq(rid="r", suffix=[], loc=0, finished=True), "s")  # a finish notice is no hand-back
     assert spec.runs["r"].verified > 0
-
-
-def test_a_run_longer_than_the_chunk_budget_is_verified_whole(rigs, paths):
-    """A run of 9 drafts with chunks of 8: its 10 rows cannot split (the drafts and the token before them
-    run together) and no step's budget holds them, so they run whole, over the budget, not never."""
-    rig = speculative_rig(rigs, paths, "large", draft_tokens=9,
-                          engine={"chunked_prefill_size": 8, "max_running_requests": 8})
-    prompts = prompts_of([5, 12], seed=42)
-    params = dict(max_tokens=24, ignore_eos=True, temperature=0.0)
-    got = serve(rig, prompts, SEEDS[:2], **params)
-    assert [(toks, reason) for toks, reason, _ in got] == alone(paths["large"], prompts, SEEDS[:2], **params)
-    assert rig.large.engine.stats.drafts_accepted >= 9
 
 
 def test_bad_draft_lengths_and_drafts_the_engine_cannot_verify_are_refused(paths):
