@@ -6,6 +6,8 @@ reads more than the argmax takes the full logits)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from engine_utils import need_compiler, prompts_of, skinny_kernel
@@ -14,8 +16,8 @@ from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.logits_processing import processed
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
-from tokenrouter.models import native_build, onednn_linear, skinny_gemm
-from tokenrouter.models.screened_head import ScreenedHead
+from tokenrouter.models import native_build, onednn_linear, quantized_linear, skinny_gemm
+from tokenrouter.models.screened_head import FIT_ROWS, MAX_ROWS, ScreenedHead
 from tokenrouter.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not onednn_linear.available(), reason="PyTorch built without oneDNN")
@@ -149,6 +151,30 @@ def test_a_flat_row_goes_to_the_full_head() -> None:
     head = ScreenedHead(w, gemm)
     x[1] = 0.0
     assert head.top(x[:1], 3) is not None and head.top(x, 3) is None
+
+
+def test_past_the_quantized_rows_the_screen_serves_only_where_it_measured_faster(model_paths, monkeypatch) -> None:
+    """fit_rows times the screen's products against the full head at FIT_ROWS rows: against a full head
+    that costs nothing the screen stops at the quantized kernel's rows, against a slow one it keeps
+    MAX_ROWS. An engine whose steps sample more rows than the quantized kernel's fits its head at load."""
+    head = ScreenedHead(near_ties(800, 32, seed=7)[0], skinny_kernel())
+    rows = torch.zeros(FIT_ROWS, 32)
+    assert head.takes(rows)
+    assert head.fit_rows(lambda x: x) == quantized_linear.MAX_ROWS
+    assert not head.takes(rows) and head.takes(rows[:quantized_linear.MAX_ROWS])
+
+    def slow(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x
+
+    assert head.fit_rows(slow) == MAX_ROWS and head.takes(rows)
+    need_compiler()
+    fitted = []
+    monkeypatch.setattr(ScreenedHead, "fit_rows", lambda self, full: fitted.append(full) or MAX_ROWS)
+    for running, times in ((quantized_linear.MAX_ROWS, 0), (FIT_ROWS, 1)):
+        eng = Engine(EngineConfig(model_path=str(model_paths["llama"]), kv_cache_tokens=1024, page_size=4,
+                                  device="cpu", linear_backend="skinny", max_running_requests=running))
+        assert len(fitted) == times and (not times or fitted[0] == eng.model.compute_logits)
 
 
 def run_steps(eng: Engine, params: list[SamplingParams]) -> list[StepOutput]:

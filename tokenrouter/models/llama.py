@@ -263,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_screened = ScreenedHead(self.lm_head_weight, skinny)
         packed_linear.warm_up(pairs, max_step_rows)
         packed_linear.warm_up([(self.lm_head_weight, self.lm_head_packed)], max_sampled_rows)
+        if self.lm_head_screened is not None and max_sampled_rows > quantized_linear.MAX_ROWS:
+            self.lm_head_screened.fit_rows(self.compute_logits)
 
     def quantize_linear_weights(self, blocks: dict[str, Weight] | None) -> list[str]:
         """Give the linear layers, and the head's screen where it has one, a quantized form for the

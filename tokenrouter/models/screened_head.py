@@ -34,6 +34,8 @@ value's own g ||w_j||.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -43,6 +45,11 @@ from tokenrouter.models.gguf_weights import BlockWeight
 
 _UB, _U = 2.0 ** -8, 2.0 ** -24
 MAX_ROWS = onednn_linear.MAX_EXACT_ROWS  # larger steps (prompt scoring, long catch-ups) take the full head
+# The row count `fit_rows` times at load. Past the quantized kernel's rows the screen is the pair
+# kernel's, on one thread, against the full head on oneDNN: on the EPYC the screen won 1.36x at 64 rows,
+# on the 2-core Xeon with AMX it lost from 32 rows in every run (0.61-0.74x at 64; docs/BENCHMARKS.md,
+# "The screened head"), so which wins is measured on the machine that serves.
+FIT_ROWS = 32
 
 
 class ScreenedTop(NamedTuple):
@@ -78,6 +85,7 @@ class ScreenedHead:
         self.quantized_bounds: _Bounds | None = None
         # Past this many columns to recompute (a flat row), the full head is cheaper.
         self.max_columns = max(weight.shape[0] // 8, 1)
+        self.max_rows = MAX_ROWS  # the most rows a step screens (fit_rows)
 
     def add_quantized(self, quantized: quantized_linear.QuantizedLinear, source: BlockWeight | None) -> None:
         """Screen the quantized kernel's row counts on `quantized`, the head as that kernel holds it
@@ -88,10 +96,28 @@ class ScreenedHead:
         self.quantized_bounds = _Bounds(bound.columns + _gamma(self.weight.shape[1]) * self.norms * (1 + 1e-6),
                                         bound.flushed)
 
-    @staticmethod
-    def takes(x: torch.Tensor) -> bool:
-        """Whether the screen serves these rows (float32 on CPU, the skinny kernel's row counts)."""
-        return x.dtype == torch.float32 and x.device.type == "cpu" and 1 <= x.shape[0] <= MAX_ROWS
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the screen serves these rows (float32 on CPU, up to `max_rows` rows)."""
+        return x.dtype == torch.float32 and x.device.type == "cpu" and 1 <= x.shape[0] <= self.max_rows
+
+    def fit_rows(self, full: Callable[[torch.Tensor], torch.Tensor], rounds: int = 3) -> int:
+        """Time the screen's products against `full` (the model's full head) at FIT_ROWS rows on this
+        thread count, best of `rounds` each; where the screen is not faster, steps of more than the
+        quantized kernel's rows (quantized_linear.MAX_ROWS) take the full head. Returns `max_rows`."""
+        x = torch.randn(FIT_ROWS, self.weight.shape[1], generator=torch.Generator().manual_seed(0))
+
+        def best(fn: Callable[[], object]) -> float:
+            fn()
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+            return min(times)
+
+        screen = best(lambda: self.kernel.screen(x, self.pairs, self.weight.shape[0]))
+        self.max_rows = MAX_ROWS if screen < best(lambda: full(x)) else quantized_linear.MAX_ROWS
+        return self.max_rows
 
     def uses_quantized(self, x: torch.Tensor) -> bool:
         """Whether rows x take the quantized screen or the pairs: the quantized one on the quantized
