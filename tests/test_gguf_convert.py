@@ -137,11 +137,13 @@ def test_smollm2_our_logits_equal_transformers(smol_dir, smol_hf, smol_tok):
 
 def test_smollm2_blocks_served_as_stored_keep_the_greedy_answers(smol_dir, smol_tok):
     """The folder keeps the file (model.gguf); under --quantization auto the engine serves its Q4_1 and
-    Q8_0 blocks on the int4 kernel (bfloat16 activations). Greedy answers to 16 arithmetic questions
-    match the float path's but where two leading tokens tie within rounding: where an answer parts,
-    both paths rank the other's token within a quarter of a nat of their own (here 6 of 96 held-out
-    answers parted, by 0.07 nats at most; a wrong scale or zero point parts them by whole nats). How
-    many part depends on the CPU's kernels; most must not."""
+    Q8_0 blocks on the quantized kernels (block_gemm where it serves the CPU, else torch's int4
+    kernel; bfloat16 activations). Greedy answers to 16 arithmetic questions match the float path's
+    but where two leading tokens tie within rounding: where an answer parts, both paths rank the
+    other's token within a quarter of a nat of their own (of 96 held-out answers at four requests a
+    step, 17 parted on block_gemm by 0.12 nats at most, 10 on torch's kernel by 0.07; with one int8
+    code per input instead of two, 42 parted, by up to 0.73; a wrong scale or zero point parts them
+    by whole nats). How many part depends on the CPU's kernels; most must not."""
     from tokenrouter.training import arith
     from tokenrouter.training.champ import chat_prompts
 

@@ -20,7 +20,8 @@ from gguf.quants import dequantize, quantize
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
 from tokenrouter.engine.model_runner import StepOutputSpec
-from tokenrouter.models import onednn_linear, quantized_linear, skinny_gemm
+from tokenrouter.models import block_gemm, onednn_linear, quantized_linear, skinny_gemm
+from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.gguf_weights import BLOCK, GGUF_FILE, BlockWeight, decode_blocks, read_gguf, write_gguf
 from tokenrouter.models.llama import DecoderLayer
@@ -249,10 +250,11 @@ def close_until_they_part(a: list[tuple[list[int], torch.Tensor]], b: list[tuple
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monkeypatch):
-    """Under auto the folder's blocks serve decode steps (every linear layer on the int4 kernel) and a
-    prompt of WIDE_ROWS rows or more takes the weights' values in bfloat16 on oneDNN where it runs
-    them natively (else the float32 weights, from MAX_ROWS on); the logits stay within the products'
-    rounding of the float path's (none), and the engine says what it serves."""
+    """Under auto the folder's blocks serve decode steps (every linear layer on block_gemm where it
+    serves the CPU, else on torch's int4 kernel) and a prompt past the layers' quantized rows takes
+    the weights' values in bfloat16 on oneDNN where it runs them natively (else the float32 weights,
+    from MAX_ROWS on); the logits stay within the products' rounding of the float path's (none), and
+    the engine says what it serves."""
     need_compiler()
     folder = gguf_folder(model_paths["llama"], tmp_path / "m", kind)
     quant, plain = engine(folder), engine(folder, quantization="none")
@@ -261,6 +263,8 @@ def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monk
     wide = onednn_linear.bfloat16_available()
     layers = [m for m in quant.model.modules() if hasattr(m, "wide")]
     assert layers and all((m.wide is not None) == wide and (m.packed is None) == wide for m in layers)
+    dots = block_gemm.load_kernel()
+    assert all(isinstance(m.quantized, PackedBlocks) == (dots is not None and dots.serves) for m in layers)
     calls: list[int] = []
     real = quantized_linear.product
     monkeypatch.setattr(quantized_linear, "product", lambda x, w: calls.append(x.shape[0]) or real(x, w))
@@ -270,8 +274,9 @@ def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monk
         x.shape[0])) or real_linear(x, w, b))
     prompts = prompts_of([20, 5, 3], seed=1)
     a, b = logits_of(quant, prompts, 6), logits_of(plain, prompts, 6)
-    assert calls and max(calls) <= (quantized_linear.WIDE_ROWS - 1 if wide else quantized_linear.MAX_ROWS)
-    assert (min(wide_rows) >= quantized_linear.WIDE_ROWS) if wide else not wide_rows
+    most = layers[0].quantized_rows
+    assert calls and max(calls) <= most
+    assert (min(wide_rows) > most) if wide else not wide_rows
     layers = quant.model.config.num_layers
     assert len(calls) % (4 * layers) == 0  # whole steps: qkv, o, gate_up, down of every layer
     assert close_until_they_part(a, b) >= 6

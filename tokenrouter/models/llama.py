@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenrouter.models import onednn_linear, packed_linear, quantized_linear, skinny_gemm
 from tokenrouter.models.attention.backend import AttentionBackend
+from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.fused_ops import FusedOps
@@ -98,10 +99,10 @@ class FlatLayer(NamedTuple):
 class QuantizedLayer(NamedTuple):
     """A decoder layer's four quantized weights, which `fused_forward` runs in bfloat16 end to end."""
 
-    qkv: quantized_linear.QuantizedLinear
-    o: quantized_linear.QuantizedLinear
-    gate_up: quantized_linear.QuantizedLinear
-    down: quantized_linear.QuantizedLinear
+    qkv: quantized_linear.QuantizedLinear | PackedBlocks
+    o: quantized_linear.QuantizedLinear | PackedBlocks
+    gate_up: quantized_linear.QuantizedLinear | PackedBlocks
+    down: quantized_linear.QuantizedLinear | PackedBlocks
 
 
 class DecoderLayer(nn.Module):
@@ -291,7 +292,7 @@ class LlamaForCausalLM(nn.Module):
                 if merged is None:
                     left.append(name)
                     continue
-                module.quantized = quantized_linear.from_blocks(merged)
+                module.quantized = quantized_linear.for_layer(merged)
             if wide:
                 values = module.weight.detach().to(torch.bfloat16)
                 module.wide, module.packed = onednn_linear.pack(values), None

@@ -41,21 +41,22 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cc: str, source: Path, flags: Sequence[str], target: Path) -> None:
+def _build(cc: str, source: Path, flags: Sequence[str], link_flags: Sequence[str], target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         compile_cmd = [cc, *flags, "-c", str(source), "-o", str(obj)]
-        for cmd in (compile_cmd, [cc, "-shared", str(obj), "-o", str(lib), "-lm"]):
+        for cmd in (compile_cmd, [cc, "-shared", str(obj), "-o", str(lib), *link_flags, "-lm"]):
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             if run.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {run.stderr.strip()[-2000:]}")
         os.replace(lib, target)
 
 
-def load_library(source: Path, flags: Sequence[str], what: str, instead: str) -> ctypes.CDLL | None:
-    """`source` built with `flags` (plus -fPIC) and loaded; None where it cannot be built, logged as
-    "the CPU <what> ...: <instead>" (what the caller falls back to)."""
+def load_library(source: Path, flags: Sequence[str], what: str, instead: str,
+                 link_flags: Sequence[str] = ()) -> ctypes.CDLL | None:
+    """`source` built with `flags` (plus -fPIC) and linked with `link_flags`, and loaded; None where it
+    cannot be built, logged as "the CPU <what> ...: <instead>" (what the caller falls back to)."""
     cc = os.environ.get("CC", "cc")
     if shutil.which(cc) is None:
         logger.warning("no C compiler %r for the CPU %s: %s", cc, what, instead)
@@ -63,10 +64,10 @@ def load_library(source: Path, flags: Sequence[str], what: str, instead: str) ->
     flags = (*flags, "-fPIC")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, _cpu_flags()]).encode())
+        key = hashlib.sha256("\0".join([source.read_text(), cc, version, *flags, *link_flags, _cpu_flags()]).encode())
         target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
         if not target.exists():
-            _build(cc, source, flags, target)
+            _build(cc, source, flags, link_flags, target)
         return ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         logger.warning("the CPU %s could not be built (%s): %s", what, e, instead)

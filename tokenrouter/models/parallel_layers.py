@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenrouter.models import onednn_linear, packed_linear, quantized_linear
+from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.tp_group import TPGroup
 
 
@@ -38,13 +39,17 @@ class _Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: packed_linear.PackedLinear | None = None  # pack_linear_weights
-        self.quantized: quantized_linear.QuantizedLinear | None = None  # quantize_linear_weights
+        self.quantized: quantized_linear.QuantizedLinear | PackedBlocks | None = None  # quantize_linear_weights
         self.wide: torch.Tensor | None = None  # quantize_linear_weights: bfloat16, packed for oneDNN
 
     @property
     def quantized_rows(self) -> int:
         """The most rows of an input the quantized weight takes."""
-        return quantized_linear.MAX_ROWS if self.wide is None else quantized_linear.WIDE_ROWS - 1
+        if self.wide is None:
+            return quantized_linear.MAX_ROWS
+        if isinstance(self.quantized, PackedBlocks):
+            return quantized_linear.BLOCK_GEMM_ROWS
+        return quantized_linear.WIDE_ROWS - 1
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized_rows:

@@ -1,6 +1,8 @@
 """Weight-only quantized products on torch's CPU kernels: GGUF blocks served as the file stores them
 (group-32 int4, `torch.ops.aten._weight_int4pack_mm_for_cpu`), or a float weight as int8 per output
-channel (`_weight_int8pack_mm`, the `--quantization int8` option for Hugging Face folders).
+channel (`_weight_int8pack_mm`, the `--quantization int8` option for Hugging Face folders). A linear
+layer's blocks go to block_gemm.py's integer dot products instead where it serves the CPU
+(`for_layer`); the head's screen stays here, on the bound below.
 
 Both kernels are fast only on bfloat16 activations (AVX512-BF16 / AMX; on float32 ones torch runs a
 reference loop 30x slower), so x is rounded to bfloat16 on the way in and the bfloat16 product
@@ -24,6 +26,8 @@ from typing import NamedTuple
 
 import torch
 
+from tokenrouter.models import block_gemm
+from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.gguf_weights import BLOCK, BlockWeight
 
 _PAD = 16
@@ -39,6 +43,11 @@ MAX_ROWS = 16
 # against 23.1 / 22.9); at 64 rows (a prompt chunk) 16.7 ms against 64.1 on the float32 weights
 # (benchmarks/quantized_linear_costs.py, 2026-12-06).
 WIDE_ROWS = 9
+# Where a layer's blocks are on block_gemm (`for_layer`) and it has the wide form too, the blocks take
+# up to this many rows: on SmolLM2's 30 layers block_gemm took 12.1 ms at 12 rows and 15.7 at 16 on
+# two threads where oneDNN's bfloat16 took 13.4 and 13.9 (one thread: 18.1 / 23.8 against 23.9 / 24.4;
+# benchmarks/quantized_linear_costs.py, 2026-12-06).
+BLOCK_GEMM_ROWS = 12
 
 
 class QuantizedLinear(NamedTuple):
@@ -91,6 +100,17 @@ def from_blocks(w: BlockWeight) -> QuantizedLinear:
     return QuantizedLinear(packed, sz, BLOCK, p.repeat, n, width // p.repeat)
 
 
+def for_layer(w: BlockWeight) -> QuantizedLinear | PackedBlocks:
+    """A linear layer's blocks: on block_gemm (models/block_gemm.py: the inputs rounded to int8 per
+    block of 32, as llama.cpp does; 1.5x torch's int4 kernel on Q4 blocks at 1-16 rows, 2.3-3.2x on
+    Q8_0's two planes) where it is built on the CPU's integer dot products, else torch's int4 kernel.
+    The head's screen stays on torch's kernels: its exactness rests on their `error_bound`."""
+    kernel = block_gemm.load_kernel()
+    if kernel is not None and kernel.serves and w.kind in block_gemm.KINDS:
+        return block_gemm.pack(w)
+    return from_blocks(w)
+
+
 def int8_per_channel(weight: torch.Tensor) -> QuantizedLinear:
     """A float weight [n, k] as int8 codes with one bfloat16 scale per output channel (symmetric,
     round to nearest: |w - s q| <= s / 2 plus the scale's rounding)."""
@@ -101,9 +121,13 @@ def int8_per_channel(weight: torch.Tensor) -> QuantizedLinear:
     return QuantizedLinear(q, s, 0, 1, w.shape[0], w.shape[1])
 
 
-def product(xb: torch.Tensor, w: QuantizedLinear) -> torch.Tensor:
+def product(xb: torch.Tensor, w: QuantizedLinear | PackedBlocks) -> torch.Tensor:
     """xb [rows, in_features] bfloat16 times the quantized weight: the kernel's bfloat16 [rows,
     out_features] (a view of its padded output where out_features is not a multiple of 16)."""
+    if isinstance(w, PackedBlocks):
+        kernel = block_gemm.load_kernel()
+        assert kernel is not None, "blocks are packed for block_gemm only where it is built"
+        return kernel(xb, w)
     if w.group == 0:
         return torch.ops.aten._weight_int8pack_mm(xb.contiguous(), w.packed, w.scales)
     if w.repeat > 1:
@@ -112,7 +136,7 @@ def product(xb: torch.Tensor, w: QuantizedLinear) -> torch.Tensor:
     return y if y.shape[1] == w.out_features else y[:, :w.out_features]
 
 
-def linear(x: torch.Tensor, w: QuantizedLinear, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantizedLinear | PackedBlocks, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [rows, in_features] times the quantized weight (plus bias), in x's dtype."""
     y = product(x.to(torch.bfloat16), w).to(x.dtype)
     return y if bias is None else y + bias

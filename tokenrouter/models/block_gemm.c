@@ -1,0 +1,255 @@
+/* Products of a few rows by a GGUF block weight (Q4_0, Q4_1, Q8_0) on the CPU's integer dot-product
+ * instructions: each row's block of 32 inputs as two int8 codes on one float scale (a coarse code and
+ * its rounded remainder: 15 bits where llama.cpp's Q8_1 keeps 8), and each block's products summed
+ * exactly in int32 (AVX512-VNNI's vpdpbusd: unsigned codes times signed 8-bit inputs), then scaled in
+ * float32.
+ *
+ * The weight is w = d q + m for each block of 32 along a row (Q4_1 as stored; Q4_0's d (q - 8) as
+ * m = -8 d; q the code in 0..15), or w = d q for Q8_0 (q in -128..127, stored as q + 128 so that it
+ * is unsigned, 128 times the inputs' codes' sum taken off the int32 sum), d and m the file's float16
+ * values, exactly. Per row r and column j the result is
+ *     y[r][j] = sum over blocks b of  d_jb (dx_rb / 254) (q_jb . (254 xq_rb + rq_rb))  +  m_jb sx_rb,
+ * with dx_rb = max |x_rb| / 127, xq_rb = round(x_rb / dx_rb), rq_rb = round(254 (x_rb / dx_rb - xq_rb))
+ * and sx_rb the block's float32 sum of x. The int32 sums are exact; the inputs' codes stand for x_rb
+ * to within dx_rb / 508 (plus the float rounding of x / dx), a 32,000th of the block's largest input,
+ * where a bfloat16 input is off by up to a 512th of itself.
+ *
+ * Layout (block_gemm.py packs it): panels of 16 output columns; per panel, per block, groups of 64
+ * bytes: 4-bit codes in four groups of 8 inputs, byte 4c + i holding column c's code for input 8g + i
+ * in its low nibble and for input 8g + 4 + i in its high nibble; 8-bit codes in eight groups of 4
+ * inputs, byte 4c + i column c's for input 4g + i. One vpdpbusd takes four inputs of all 16 columns
+ * against four input bytes broadcast. d and m: per panel, per block, 16 float16 values.
+ *
+ * Threads: the panels are shared out by OpenMP (the process's runtime, torch's: the library links
+ * libgomp by its soname, which torch has already loaded), on torch's thread count.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define HAVE_VNNI 1
+#else
+#define HAVE_VNNI 0
+#endif
+
+#define PANEL 16
+#define BLOCK 32
+#define TILE 4 /* rows sharing one pass over a panel's codes */
+#define SPLIT 254 /* the remainder's codes are in units of dx / SPLIT */
+#ifndef AHEAD
+#define AHEAD 1024 /* bytes of codes fetched ahead of the block in hand */
+#endif
+
+int block_gemm_vnni(void) { return HAVE_VNNI; }
+
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do {
+                e++;
+                man <<= 1;
+            } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* Each row's blocks to two int8 codes, xq and rq [rows][k] (x = dx (xq + rq / 254) up to dx / 508,
+ * rq the rounded remainder), scales dx and float sums sx [rows][k / 32]. */
+static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, int8_t *xq, int8_t *rq, float *dx,
+                          float *sx) {
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < k / BLOCK; b++) {
+            float v[BLOCK], amax = 0.0f, sum = 0.0f;
+            for (int i = 0; i < BLOCK; i++) {
+                int64_t at = r * k + b * BLOCK + i;
+                v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                amax = fmaxf(amax, fabsf(v[i]));
+                sum += v[i];
+            }
+            float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int i = 0; i < BLOCK; i++) {
+                float t = v[i] * inv, hi = nearbyintf(t);
+                xq[r * k + b * BLOCK + i] = (int8_t)hi;
+                rq[r * k + b * BLOCK + i] = (int8_t)nearbyintf((t - hi) * 254.0f);
+            }
+            dx[r * (k / BLOCK) + b] = scale;
+            sx[r * (k / BLOCK) + b] = sum;
+        }
+    }
+}
+
+static inline void store_row(void *y, int y_bf16, int64_t n, int64_t r, int64_t col0, const float *v, int64_t width) {
+    for (int64_t c = 0; c < width; c++) {
+        if (y_bf16)
+            ((uint16_t *)y)[r * n + col0 + c] = float_to_bf16(v[c]);
+        else
+            ((float *)y)[r * n + col0 + c] = v[c];
+    }
+}
+
+#if HAVE_VNNI
+static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const uint16_t *m, int64_t blocks,
+                       const int8_t *xq, const int8_t *rq, const float *dx, const float *sx, const int32_t *bias,
+                       int64_t k, int64_t rows, float out[TILE][PANEL]) {
+    const __m512i low = _mm512_set1_epi8(0x0f), split = _mm512_set1_epi32(SPLIT);
+    __m512 acc[TILE];
+    for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i dot[TILE], rest[TILE];
+        for (int r = 0; r < TILE; r++) dot[r] = rest[r] = _mm512_setzero_si512();
+        if (bits == 8) {
+            const uint8_t *q = codes + b * (PANEL * BLOCK);
+            for (int g = 0; g < 8; g++) _mm_prefetch((const char *)(q + AHEAD + 64 * g), _MM_HINT_T0);
+            for (int g = 0; g < 8; g++) {
+                __m512i w = _mm512_loadu_si512((const void *)(q + 64 * g));
+                for (int r = 0; r < rows; r++) {
+                    int32_t a, c;
+                    memcpy(&a, xq + r * k + b * BLOCK + 4 * g, 4);
+                    memcpy(&c, rq + r * k + b * BLOCK + 4 * g, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(a));
+                    rest[r] = _mm512_dpbusd_epi32(rest[r], w, _mm512_set1_epi32(c));
+                }
+            }
+        } else {
+            const uint8_t *q = codes + b * (PANEL * BLOCK / 2);
+            for (int g = 0; g < 4; g++) _mm_prefetch((const char *)(q + AHEAD + 64 * g), _MM_HINT_T0);
+            for (int g = 0; g < 4; g++) {
+                __m512i packed = _mm512_loadu_si512((const void *)(q + 64 * g));
+                __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *xb = xq + r * k + b * BLOCK + 8 * g, *rb = rq + r * k + b * BLOCK + 8 * g;
+                    int32_t a, c, e, f;
+                    memcpy(&a, xb, 4);
+                    memcpy(&c, xb + 4, 4);
+                    memcpy(&e, rb, 4);
+                    memcpy(&f, rb + 4, 4);
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(a));
+                    dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(c));
+                    rest[r] = _mm512_dpbusd_epi32(rest[r], lo, _mm512_set1_epi32(e));
+                    rest[r] = _mm512_dpbusd_epi32(rest[r], hi, _mm512_set1_epi32(f));
+                }
+            }
+        }
+        __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * PANEL)));
+        for (int r = 0; r < rows; r++) {
+            int64_t at = r * (k / BLOCK) + b;
+            /* q . (SPLIT xq + rq), less the Q8_0 codes' offset of 128 times the same sum of the inputs */
+            __m512i whole = _mm512_add_epi32(_mm512_mullo_epi32(dot[r], split), rest[r]);
+            if (bits == 8) whole = _mm512_sub_epi32(whole, _mm512_set1_epi32(bias[at]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), _mm512_mul_ps(db, _mm512_set1_ps(dx[at] / SPLIT)),
+                                     acc[r]);
+        }
+        if (m != NULL) {
+            __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * PANEL)));
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[r * (k / BLOCK) + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+#else
+static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const uint16_t *m, int64_t blocks,
+                       const int8_t *xq, const int8_t *rq, const float *dx, const float *sx, const int32_t *bias,
+                       int64_t k, int64_t rows, float out[TILE][PANEL]) {
+    for (int r = 0; r < rows; r++) {
+        for (int c = 0; c < PANEL; c++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                const int8_t *xb = xq + r * k + b * BLOCK, *rb = rq + r * k + b * BLOCK;
+                int32_t dot = 0, rest = 0;
+                if (bits == 8) {
+                    const uint8_t *q = codes + b * (PANEL * BLOCK);
+                    for (int g = 0; g < 8; g++) {
+                        for (int i = 0; i < 4; i++) {
+                            dot += q[64 * g + 4 * c + i] * xb[4 * g + i];
+                            rest += q[64 * g + 4 * c + i] * rb[4 * g + i];
+                        }
+                    }
+                } else {
+                    const uint8_t *q = codes + b * (PANEL * BLOCK / 2);
+                    for (int g = 0; g < 4; g++) {
+                        for (int i = 0; i < 4; i++) {
+                            uint8_t byte = q[64 * g + 4 * c + i];
+                            dot += (byte & 15) * xb[8 * g + i] + (byte >> 4) * xb[8 * g + 4 + i];
+                            rest += (byte & 15) * rb[8 * g + i] + (byte >> 4) * rb[8 * g + 4 + i];
+                        }
+                    }
+                }
+                int64_t at = r * (k / BLOCK) + b;
+                int32_t whole = dot * SPLIT + rest - (bits == 8 ? bias[at] : 0);
+                acc = fmaf((float)whole, half_to_float(d[b * PANEL + c]) * (dx[at] / SPLIT), acc);
+                if (m != NULL) acc = fmaf(half_to_float(m[b * PANEL + c]), sx[at], acc);
+            }
+            out[r][c] = acc;
+        }
+    }
+}
+#endif
+
+/* y [rows, n] (float32, or bfloat16 with y_bf16) = x [rows, k] (float32, or bfloat16 with x_bf16)
+ * times the packed weight of n output columns (k a multiple of 32): 4-bit codes (bits 4), or 8-bit
+ * ones (bits 8: Q8_0's codes plus 128, m NULL). Returns 0, or -2 when the scratch of
+ * the rounded inputs cannot be allocated. */
+int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t *codes, int bits, const uint16_t *d,
+               const uint16_t *m, int64_t n, void *y, int y_bf16) {
+    int64_t blocks = k / BLOCK, panels = (n + PANEL - 1) / PANEL, panel_bytes = blocks * PANEL * BLOCK / (bits == 8 ? 1 : 2);
+    int8_t *xq = malloc((size_t)(2 * rows * k)), *rq = xq == NULL ? NULL : xq + rows * k;
+    float *scales = malloc(sizeof(float) * (size_t)(3 * rows * blocks));
+    if (xq == NULL || scales == NULL) {
+        free(xq);
+        free(scales);
+        return -2;
+    }
+    float *dx = scales, *sx = scales + rows * blocks;
+    int32_t *bias = (int32_t *)(scales + 2 * rows * blocks);
+    quantize_rows(x, x_bf16, rows, k, xq, rq, dx, sx);
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        int32_t sum = 0;
+        for (int j = 0; j < BLOCK; j++) sum += SPLIT * xq[i * BLOCK + j] + rq[i * BLOCK + j];
+        bias[i] = 128 * sum;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *pc = codes + p * panel_bytes;
+        const uint16_t *pd = d + p * blocks * PANEL, *pm = m == NULL ? NULL : m + p * blocks * PANEL;
+        int64_t width = n - p * PANEL < PANEL ? n - p * PANEL : PANEL;
+        for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
+            int64_t tile = rows - r0 < TILE ? rows - r0 : TILE;
+            float out[TILE][PANEL];
+            panel_tile(pc, bits, pd, pm, blocks, xq + r0 * k, rq + r0 * k, dx + r0 * blocks, sx + r0 * blocks,
+                       bias + r0 * blocks, k, tile, out);
+            for (int64_t r = 0; r < tile; r++) store_row(y, y_bf16, n, r0 + r, p * PANEL, out[r], width);
+        }
+    }
+    free(xq);
+    free(scales);
+    return 0;
+}
