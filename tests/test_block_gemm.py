@@ -1,7 +1,7 @@
 """The GGUF block product on integer dot products (models/block_gemm.c, block_gemm.py): within its
 stated bound of the exact product with the file's weights for every block type, row count and input
-type; the plain C loop (any CPU) and the dot-product path give the same bits; an engine's layers take
-it where it serves the CPU, up to their stated rows, while the head's screen stays on torch's kernels."""
+type; the plain C loop (any CPU) and the dot-product path give the same bits; a layer's blocks take it
+where it serves the CPU (tests/test_quantized_linear.py: an engine's layers, and the rows they take)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_utils import need_compiler
 
-from tokenrouter.models import block_gemm, onednn_linear, quantized_linear
+from tokenrouter.models import block_gemm, quantized_linear
 from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.gguf_weights import BLOCK, BlockWeight
 from tokenrouter.models.native_build import load_library
@@ -105,20 +105,3 @@ def test_layers_take_it_where_it_serves(kernel, kind):
     # torch's kernel rounds x to bfloat16 where block_gemm rounds it to int8: the looser bound serves
     slack = 2.0 ** -7 * (x.double().abs() @ w.dequantize().double().abs().T)
     assert ((y.double() - exact).abs() <= stated_bound(x, w) + slack).all()
-
-
-def test_the_rows_a_layer_on_it_takes(kernel):
-    """With the wide form (oneDNN's bfloat16), a layer on block_gemm takes up to BLOCK_GEMM_ROWS rows,
-    one on torch's int4 kernel up to WIDE_ROWS - 1; without it, both up to MAX_ROWS."""
-    from tokenrouter.models.parallel_layers import RowParallelLinear
-    from tokenrouter.models.tp_group import TPGroup
-
-    layer = RowParallelLinear(64, 32, False, TPGroup.single())
-    w = blocks("Q4_1", 32, 64, seed=1)
-    layer.quantized = block_gemm.pack(w)
-    assert layer.quantized_rows == quantized_linear.MAX_ROWS
-    layer.wide = onednn_linear.pack(w.dequantize().to(torch.bfloat16)) if onednn_linear.bfloat16_available() \
-        else torch.empty(0)
-    assert layer.quantized_rows == quantized_linear.BLOCK_GEMM_ROWS
-    layer.quantized = quantized_linear.from_blocks(w)
-    assert layer.quantized_rows == quantized_linear.WIDE_ROWS - 1

@@ -45,11 +45,7 @@ class _Linear(nn.Module):
     @property
     def quantized_rows(self) -> int:
         """The most rows of an input the quantized weight takes."""
-        if self.wide is None:
-            return quantized_linear.MAX_ROWS
-        if isinstance(self.quantized, PackedBlocks):
-            return quantized_linear.BLOCK_GEMM_ROWS
-        return quantized_linear.WIDE_ROWS - 1
+        return quantized_linear.MAX_ROWS if self.wide is None else quantized_linear.WIDE_ROWS - 1
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None and x.shape[0] <= self.quantized_rows:

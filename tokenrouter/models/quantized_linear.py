@@ -41,13 +41,10 @@ MAX_ROWS = 16
 # rows, oneDNN's bfloat16 (AMX) is flat to 16 rows. SmolLM2's 30 layers on two threads took 12.5 ms
 # at 8 rows and 17.7 at 9 on the int4 kernel, 12.6 and 12.9 in bfloat16 (one thread: 23.1 / 28.0
 # against 23.1 / 22.9); at 64 rows (a prompt chunk) 16.7 ms against 64.1 on the float32 weights
-# (benchmarks/quantized_linear_costs.py, 2026-12-06).
+# (benchmarks/quantized_linear_costs.py, 2026-12-06). block_gemm's layers (`for_layer`) cross over at
+# the same rows: 12.8 ms at 8 rows against oneDNN's 14.7, 16.3 at 12 (one tile of 4 rows costs as
+# much as 4) against 14.2, on two threads (one thread: 19.6 / 28.4 against 27.4 / 28.0).
 WIDE_ROWS = 9
-# Where a layer's blocks are on block_gemm (`for_layer`) and it has the wide form too, the blocks take
-# up to this many rows: on SmolLM2's 30 layers block_gemm took 12.1 ms at 12 rows and 15.7 at 16 on
-# two threads where oneDNN's bfloat16 took 13.4 and 13.9 (one thread: 18.1 / 23.8 against 23.9 / 24.4;
-# benchmarks/quantized_linear_costs.py, 2026-12-06).
-BLOCK_GEMM_ROWS = 12
 
 
 class QuantizedLinear(NamedTuple):
