@@ -105,3 +105,32 @@ def test_layers_take_it_where_it_serves(kernel, kind):
     # torch's kernel rounds x to bfloat16 where block_gemm rounds it to int8: the looser bound serves
     slack = 2.0 ** -7 * (x.double().abs() @ w.dequantize().double().abs().T)
     assert ((y.double() - exact).abs() <= stated_bound(x, w) + slack).all()
+
+
+def test_the_screens_bound_holds_where_the_remainders_lean(kernel):
+    """quantized_linear.error_bound for block_gemm (the head's screen rests on it): inputs just under
+    half a remainder unit above 1 in a block whose largest input is 127 (dx = 1) all round down by
+    almost 1/508, against positive weights, so the errors add up: the product stays within the bound,
+    and the error is over 3/4 of it (a bound with a smaller factor on the inputs' rounding fails)."""
+    k, n = BLOCK, 16
+    block = BlockWeight("Q8_0", torch.full((n, k), 127, dtype=torch.int8), torch.full((n, 1), 2.0 ** -7))
+    packed = block_gemm.pack(block)
+    x = torch.full((1, k), 1 + 0.998 / 508)
+    x[0, 0] = 127.0
+    ref = block.dequantize()
+    err = (quantized_linear.bounded_product(x, packed).double() - x.double() @ ref.double().T).abs()
+    bound = quantized_linear.error_bound(packed, block, ref)
+    limit = x.double().norm(dim=1)[:, None] * bound.columns[None] + bound.flushed * (1 + float(x.abs().max()))
+    assert (err <= limit).all()
+    assert (err > 0.75 * limit).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_screens_bound_holds_on_random_blocks(kernel, kind):
+    w = blocks(kind, 40, 96, seed=4)
+    packed = block_gemm.pack(w)
+    ref = w.dequantize()
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(9)) * torch.logspace(-2, 1, 96)
+    err = (quantized_linear.bounded_product(x, packed).double() - x.double() @ ref.double().T).abs()
+    bound = quantized_linear.error_bound(packed, w, ref)
+    assert (err <= x.double().norm(dim=1)[:, None] * bound.columns[None] + bound.flushed).all()

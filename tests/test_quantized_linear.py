@@ -134,9 +134,11 @@ def test_int8_per_channel_within_its_stated_bound(rows):
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
-def test_quantized_screen_gives_the_full_heads_top(tmp_path, kind):
-    """The head's screen on its blocks: every row's argmax and exact top-k are the float32 head's, on
-    columns the quantized products cannot order (near-ties)."""
+@pytest.mark.parametrize("form", ["int4", "block_gemm"])
+def test_quantized_screen_gives_the_full_heads_top(tmp_path, kind, form):
+    """The head's screen on its blocks (torch's int4 kernel, or block_gemm's dot products: on this
+    CPU's, or on the plain C loop's same arithmetic): every row's argmax and exact top-k are the
+    float32 head's, on columns the quantized products cannot order (near-ties)."""
     gemm = skinny_kernel()
     gen = torch.Generator().manual_seed(5)
     base = torch.randn(96, generator=gen)
@@ -146,9 +148,10 @@ def test_quantized_screen_gives_the_full_heads_top(tmp_path, kind):
     block = decode_blocks("head", kind, blocks.reshape(4000, -1), 4000, 96)
     weight = block.dequantize().contiguous()
     head = ScreenedHead(weight, gemm)
-    head.add_quantized(quantized_linear.from_blocks(block), block)
+    head.add_quantized(quantized_linear.from_blocks(block) if form == "int4" else block_gemm.pack(block), block)
     x = base + torch.randn(5, 96, generator=gen) * 0.05
-    assert not head.uses_quantized(x)  # on one thread the pair screen serves
+    # on one thread the pair screen serves, but for block_gemm's (faster than the pairs there too)
+    assert head.uses_quantized(x) == (form == "block_gemm")
     torch.set_num_threads(2)
     try:
         assert head.uses_quantized(x)
@@ -284,14 +287,20 @@ def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monk
 
 @pytest.mark.parametrize("embedding_kind,group", [("Q8_0", 0), ("Q4_1", BLOCK)])
 def test_the_head_screens_on_its_cheaper_quantized_form(model_paths, tmp_path, embedding_kind, group):
-    """A Q8_0 head screens as int8 per channel (group 0: one pass where its exact int4 form is two
-    nibble planes), a Q4 head as its own blocks; either way the screen's argmax and top-k on two
-    threads are the full float32 head's."""
+    """Where block_gemm serves the CPU the head screens on its own blocks there; elsewhere a Q8_0 head
+    as int8 per channel (group 0: one pass where its exact int4 form is two nibble planes), a Q4 head
+    as its own blocks on the int4 kernel; either way the screen's argmax and top-k on two threads are
+    the full float32 head's."""
     need_compiler()
     eng = engine(gguf_folder(model_paths["llama"], tmp_path / "m", "Q4_1", embedding_kind))
     head = eng.model.lm_head_screened
     assert head is not None and head.quantized is not None
-    assert (head.quantized.group, head.quantized.repeat) == (group, 1)
+    dots = block_gemm.load_kernel()
+    if dots is not None and dots.serves:  # the head's own blocks, exactly
+        assert isinstance(head.quantized, PackedBlocks) and head.quantized.bits == (8 if group == 0 else 4)
+    else:
+        assert isinstance(head.quantized, quantized_linear.QuantizedLinear)
+        assert (head.quantized.group, head.quantized.repeat) == (group, 1)
     x = torch.randn(3, head.weight.shape[1], generator=torch.Generator().manual_seed(2)) * 4
     torch.set_num_threads(2)
     try:

@@ -21,7 +21,8 @@
  * against four input bytes broadcast. d and m: per panel, per block, 16 float16 values.
  *
  * Threads: the panels are shared out by OpenMP (the process's runtime, torch's: the library links
- * libgomp by its soname, which torch has already loaded), on torch's thread count.
+ * libgomp by its soname, which torch has already loaded), on the threads the caller names (torch's
+ * count, which OpenMP's own setting follows only on the thread that set it).
  */
 #include <math.h>
 #include <stdint.h>
@@ -219,7 +220,7 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
  * ones (bits 8: Q8_0's codes plus 128, m NULL). Returns 0, or -2 when the scratch of
  * the rounded inputs cannot be allocated. */
 int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t *codes, int bits, const uint16_t *d,
-               const uint16_t *m, int64_t n, void *y, int y_bf16) {
+               const uint16_t *m, int64_t n, void *y, int y_bf16, int threads) {
     int64_t blocks = k / BLOCK, panels = (n + PANEL - 1) / PANEL, panel_bytes = blocks * PANEL * BLOCK / (bits == 8 ? 1 : 2);
     int8_t *xq = malloc((size_t)(2 * rows * k)), *rq = xq == NULL ? NULL : xq + rows * k;
     float *scales = malloc(sizeof(float) * (size_t)(3 * rows * blocks));
@@ -236,7 +237,7 @@ int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t
         for (int j = 0; j < BLOCK; j++) sum += SPLIT * xq[i * BLOCK + j] + rq[i * BLOCK + j];
         bias[i] = 128 * sum;
     }
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *pc = codes + p * panel_bytes;
         const uint16_t *pd = d + p * blocks * PANEL, *pm = m == NULL ? NULL : m + p * blocks * PANEL;

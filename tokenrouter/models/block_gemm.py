@@ -71,12 +71,13 @@ def pack(w: BlockWeight) -> PackedBlocks:
 class BlockGemm:
     """`__call__(x, w, out_dtype)`: x [rows, in_features] (float32 or bfloat16, rows of unit stride)
     times the packed weight, as a new [rows, out_features] tensor of `out_dtype` (float32 or
-    bfloat16). `serves`: built on the CPU's integer dot products (where it beats torch's kernel)."""
+    bfloat16), on torch's thread count. `serves`: built on the CPU's integer dot products (where it
+    beats torch's kernel)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         self._fn = lib.block_gemm
-        self._fn.argtypes = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, i64, ptr, i32]
+        self._fn.argtypes = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, i64, ptr, i32, i32]
         self._fn.restype = ctypes.c_int
         self.serves = bool(lib.block_gemm_vnni())
 
@@ -86,7 +87,7 @@ class BlockGemm:
         y = torch.empty(x.shape[0], w.out_features, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], w.in_features, w.codes.data_ptr(), w.bits,
                       w.d.data_ptr(), None if w.m is None else w.m.data_ptr(), w.out_features, y.data_ptr(),
-                      out_dtype == torch.bfloat16)
+                      out_dtype == torch.bfloat16, torch.get_num_threads())
         if rc != 0:
             raise MemoryError(f"block_gemm: no memory for the rounded inputs of {x.shape[0]} rows")
         return y

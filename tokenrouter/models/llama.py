@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tokenrouter.models import onednn_linear, packed_linear, quantized_linear, skinny_gemm
+from tokenrouter.models import block_gemm, onednn_linear, packed_linear, quantized_linear, skinny_gemm
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.config import ModelConfig, ModelLoadError
@@ -305,7 +305,9 @@ class LlamaForCausalLM(nn.Module):
             # planes, twice the work. SmolLM2's 49,152 x 576 head at one row on two threads: 1.59 ms
             # as two planes, 0.97 ms as int8 (its looser bound recomputes a few more columns); 11.83
             # -> 11.49 ms a token (benchmarks/handoff_ab.py; 2-core Intel Xeon with AMX, 2026-12-06).
-            if blocks is None or (isinstance(source, BlockWeight) and source.kind == "Q8_0"):
+            if isinstance(source, BlockWeight) and quantized_linear.on_block_gemm(source):
+                self.lm_head_screened.add_quantized(block_gemm.pack(source), source)
+            elif blocks is None or (isinstance(source, BlockWeight) and source.kind == "Q8_0"):
                 self.lm_head_screened.add_quantized(quantized_linear.int8_per_channel(self.lm_head_weight), None)
             elif isinstance(source, BlockWeight):
                 self.lm_head_screened.add_quantized(quantized_linear.from_blocks(source), source)

@@ -97,15 +97,17 @@ def from_blocks(w: BlockWeight) -> QuantizedLinear:
     return QuantizedLinear(packed, sz, BLOCK, p.repeat, n, width // p.repeat)
 
 
-def for_layer(w: BlockWeight) -> QuantizedLinear | PackedBlocks:
-    """A linear layer's blocks: on block_gemm (models/block_gemm.py: the inputs rounded to int8 per
-    block of 32, as llama.cpp does; 1.5x torch's int4 kernel on Q4 blocks at 1-16 rows, 2.3-3.2x on
-    Q8_0's two planes) where it is built on the CPU's integer dot products, else torch's int4 kernel.
-    The head's screen stays on torch's kernels: its exactness rests on their `error_bound`."""
+def on_block_gemm(w: BlockWeight) -> bool:
+    """Whether block_gemm takes these blocks: built on this CPU's integer dot products, and a kind it
+    holds."""
     kernel = block_gemm.load_kernel()
-    if kernel is not None and kernel.serves and w.kind in block_gemm.KINDS:
-        return block_gemm.pack(w)
-    return from_blocks(w)
+    return kernel is not None and kernel.serves and w.kind in block_gemm.KINDS
+
+
+def for_layer(w: BlockWeight) -> QuantizedLinear | PackedBlocks:
+    """A linear layer's blocks: on block_gemm (models/block_gemm.py) where it takes them, else torch's
+    int4 kernel."""
+    return block_gemm.pack(w) if on_block_gemm(w) else from_blocks(w)
 
 
 def int8_per_channel(weight: torch.Tensor) -> QuantizedLinear:
@@ -139,15 +141,26 @@ def linear(x: torch.Tensor, w: QuantizedLinear | PackedBlocks, bias: torch.Tenso
     return y if bias is None else y + bias
 
 
+def bounded_product(x: torch.Tensor, w: QuantizedLinear | PackedBlocks) -> torch.Tensor:
+    """x [rows, in_features] float32 times the quantized weight, float32: the product `error_bound`
+    bounds (torch's kernels through bfloat16, as `linear`; block_gemm on x as it is, unrounded)."""
+    if isinstance(w, PackedBlocks):
+        kernel = block_gemm.load_kernel()
+        assert kernel is not None, "blocks are packed for block_gemm only where it is built"
+        return kernel(x, w, torch.float32)
+    return linear(x, w)
+
+
 _UB, _U = 2.0 ** -8, 2.0 ** -24  # unit roundoffs of bfloat16 and float32
 
 
 class ErrorBound(NamedTuple):
-    """|linear(x, w)[r, j] - x_r . reference_j| <= ||x_r|| columns[j] + flushed (1 + max_i |x_ri|), the
-    product on the right exact (real arithmetic) and `reference` the float32 weights [n, k].
+    """|bounded_product(x, w)[r, j] - x_r . reference_j| <= ||x_r|| columns[j] + flushed (1 + max_i |x_ri|),
+    the product on the right exact (real arithmetic) and `reference` the float32 weights [n, k].
 
-    The derivation, per column j, with K' = K r the kernel's row (r = 1, or 2 for Q8_0's two nibble
-    planes against x repeated) and ||x'|| = sqrt(r) ||x||: the kernel rounds x to bfloat16 (u_b), may
+    The derivation for torch's kernels (block_gemm's: `_block_gemm_bound`), per column j, with K' = K r
+    the kernel's row (r = 1, or 2 for Q8_0's two nibble planes against x repeated) and ||x'|| =
+    sqrt(r) ||x||: the kernel rounds x to bfloat16 (u_b), may
     round each dequantized weight to bfloat16 or compute it in float32 (R_j = (u_b + 2u) M_j covers
     both, M_j the norm of |c - 8| |s| + |z|, which bounds what it multiplies element by element),
     sums in float32 in any grouping (g' for K' + 2 terms) and rounds the sum to bfloat16 (u_b); the
@@ -160,10 +173,14 @@ class ErrorBound(NamedTuple):
     flushed: float
 
 
-def error_bound(w: QuantizedLinear, source: BlockWeight | None, reference: torch.Tensor,
+def error_bound(w: QuantizedLinear | PackedBlocks, source: BlockWeight | None, reference: torch.Tensor,
                 chunk: int = 4096) -> ErrorBound:
-    """The bound (ErrorBound) for `w`, made from `source` blocks or, with None, by int8_per_channel,
-    against the float32 `reference` [n, k]; `chunk` rows at a time, bounding the float64 temporaries."""
+    """The bound (ErrorBound) of `bounded_product` for `w`, made from `source` blocks or, with None, by
+    int8_per_channel, against the float32 `reference` [n, k]; `chunk` rows at a time, bounding the
+    float64 temporaries."""
+    if isinstance(w, PackedBlocks):
+        assert source is not None, "block_gemm's weights are a file's blocks"
+        return _block_gemm_bound(w, source, reference, chunk)
     n, k = w.out_features, w.in_features
     magnitude, offset = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
     largest = 0.0
@@ -190,3 +207,38 @@ def error_bound(w: QuantizedLinear, source: BlockWeight | None, reference: torch
     c = _UB * (1 + g) * (1 + _UB) + g * (1 + _UB) + _UB
     columns = (math.sqrt(w.repeat) * (c * (magnitude + rounding) + rounding) + offset) * (1 + 1e-6)
     return ErrorBound(columns, 3 * terms * 2.0 ** -126 * (1 + largest * (1 + _UB)))
+
+
+def _block_gemm_bound(w: PackedBlocks, source: BlockWeight, reference: torch.Tensor, chunk: int) -> ErrorBound:
+    """block_gemm's float32 product on float32 x (models/block_gemm.c's arithmetic), per column j,
+    with B = k / 32 blocks and max |x| <= ||x||:
+    - each input stands as its two int8 codes to within dx_b (1/508 + 1e-4) (the remainder's rounding
+      plus the float32 rounding of x / dx), dx_b = max |x_b| / 127 rounded, at most max |x| (1 + u)
+      / 127; times |d q| summed along the row: rep * ||d q_j||_1 max |x|;
+    - the int32 sums are exact; their conversion, the scales' products, the blocks' float32 sums of x
+      (31 roundings each, times |m|) and the 2B multiply-adds over the blocks round at most 2B + 40
+      times on terms of at most ||d q_j||_1 max |x| (1 + 1/254) and ||m_j||_1 max |x|: g (1 + 1/254)
+      (||d q_j||_1 + ||m_j||_1) max |x|;
+    - the reference's float32 values against the blocks' exact d q + m: ||offset_j||_1 max |x|;
+    and an absolute term for results that fall below float32's normal range (no flush to zero there:
+    each of the 3B + 8 roundings is then off by at most 2^-149)."""
+    n, k = w.out_features, w.in_features
+    blocks = k // BLOCK
+    l1_dq, l1_m, offset = (torch.empty(n, dtype=torch.float64) for _ in range(3))
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        part = source.rows(slice(a, b))
+        d = part.scales.double().repeat_interleave(BLOCK, dim=1)
+        dq = d * part.codes.double()
+        if part.kind == "Q4_1":
+            assert part.mins is not None
+            m = part.mins.double().repeat_interleave(BLOCK, dim=1)
+        else:
+            m = -8 * d if part.kind == "Q4_0" else torch.zeros_like(d)
+        l1_dq[a:b], l1_m[a:b] = dq.abs().sum(dim=1), m.abs().sum(dim=1)
+        offset[a:b] = (dq + m - reference[a:b].double()).abs().sum(dim=1)
+    terms = 2 * blocks + 40
+    g = terms * _U / (1 - terms * _U)
+    rep = (1 + _U) * (1 / 508 + 1e-4) / 127
+    columns = (rep * l1_dq + g * (1 + 1 / 254) * (l1_dq + l1_m) + offset) * (1 + 1e-6)
+    return ErrorBound(columns, (3 * blocks + 8) * 2.0 ** -149)

@@ -25,11 +25,11 @@ of its largest logit; recomputed exactly, their top k is the full head's and the
 argmax (tests/test_screened_head.py).
 
 The quantized screen. Where the head's weights come as GGUF blocks (or int8, models/quantized_linear.py),
-the screen reads a quantized form instead (Q4 blocks as stored, an eighth of the float32 bytes; a Q8_0
-head, or a float one, as int8 per channel, a quarter), on torch's int4 or int8 kernel, and the exact
-columns are still the float32 weights' (the file's values). Its
-bound is the kernel's (quantized_linear.ErrorBound, against the exact product) plus the exact
-value's own g ||w_j||.
+the screen reads a quantized form instead: the blocks as stored on block_gemm where it serves the CPU
+(a Q8_0 head a quarter of the float32 bytes, Q4 an eighth); elsewhere Q4 blocks on torch's int4
+kernel, a Q8_0 head, or a float one, as int8 per channel on its int8 kernel. The exact columns are
+still the float32 weights' (the file's values). Its bound is the kernel's (quantized_linear.ErrorBound,
+against the exact product) plus the exact value's own g ||w_j||.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from tokenrouter.models import onednn_linear, quantized_linear, skinny_gemm
+from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.gguf_weights import BlockWeight
 
 _UB, _U = 2.0 ** -8, 2.0 ** -24
@@ -81,13 +82,14 @@ class ScreenedHead:
         # per column: (2 u_b + u_b^2 + g ((1 + u_b)^2 + 1)) ||w_j||
         self.pair_bounds = _Bounds((2 * _UB + _UB ** 2 + g * ((1 + _UB) ** 2 + 1)) * (1 + 1e-6) * norms,
                                    _flushed(k, max(-float(low), float(high))))
-        self.quantized: quantized_linear.QuantizedLinear | None = None
+        self.quantized: quantized_linear.QuantizedLinear | PackedBlocks | None = None
         self.quantized_bounds: _Bounds | None = None
         # Past this many columns to recompute (a flat row), the full head is cheaper.
         self.max_columns = max(weight.shape[0] // 8, 1)
         self.max_rows = MAX_ROWS  # the most rows a step screens (fit_rows)
 
-    def add_quantized(self, quantized: quantized_linear.QuantizedLinear, source: BlockWeight | None) -> None:
+    def add_quantized(self, quantized: quantized_linear.QuantizedLinear | PackedBlocks,
+                      source: BlockWeight | None) -> None:
         """Screen the quantized kernel's row counts on `quantized`, the head as that kernel holds it
         (`source`: the GGUF blocks it was made from; None for int8 per channel)."""
         bound = quantized_linear.error_bound(quantized, source, self.weight)
@@ -121,18 +123,21 @@ class ScreenedHead:
 
     def uses_quantized(self, x: torch.Tensor) -> bool:
         """Whether rows x take the quantized screen or the pairs: the quantized one on the quantized
-        kernel's row counts while the step runs on more than one thread (torch's kernel spreads over
-        them; the pair screen runs on one). In SmolLM2's decode steps it measured 11.6 against 13.8
-        ms a step at batch 1 on two threads, and no faster than the pairs on one (17.0-17.5 against
-        17.1-17.3 ms at batch 1, 26.8-27.5 against 25.8-26.2 at batch 4)."""
-        return (self.quantized is not None and x.shape[0] <= quantized_linear.MAX_ROWS
-                and torch.get_num_threads() > 1)
+        kernel's row counts; on torch's kernels only while the step runs on more than one thread (they
+        spread over them; the pair screen runs on one). In SmolLM2's decode steps torch's int8 screen
+        measured 11.6 against 13.8 ms a step at batch 1 on two threads, and no faster than the pairs
+        on one (17.0-17.5 against 17.1-17.3 ms at batch 1, 26.8-27.5 against 25.8-26.2 at batch 4).
+        block_gemm's screen of SmolLM2's Q8_0 head beat both at 1 to 16 rows on one thread and on two
+        (benchmarks/head_screen_forms.py)."""
+        if self.quantized is None or x.shape[0] > quantized_linear.MAX_ROWS:
+            return False
+        return isinstance(self.quantized, PackedBlocks) or torch.get_num_threads() > 1
 
     def approx(self, x: torch.Tensor) -> torch.Tensor:
         """The screen's products [rows, vocab], float32."""
         if self.uses_quantized(x):
             assert self.quantized is not None
-            return quantized_linear.linear(x, self.quantized)
+            return quantized_linear.bounded_product(x, self.quantized)
         return self.kernel.screen(x, self.pairs, self.weight.shape[0])
 
     def bounds(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
