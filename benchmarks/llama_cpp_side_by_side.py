@@ -135,22 +135,26 @@ def bound(large: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     llm = LLM(large, max_running_requests=4)
     model = llm.engine.model
-    weights = 0
-    for m in model.modules():
-        q = getattr(m, "quantized", None)
-        if q is not None:
-            weights += q.packed.numel() * q.packed.element_size() + q.scales.numel() * q.scales.element_size()
+    def size(quantized: Any) -> int:  # torch's kernels' form, or block_gemm's (codes, d, m)
+        return sum(t.numel() * t.element_size() for t in quantized if isinstance(t, torch.Tensor))
+
+    weights = sum(size(m.quantized) for m in model.modules() if getattr(m, "quantized", None) is not None)
     screen = model.lm_head_screened
     assert screen is not None, "the bound assumes greedy steps on the screened head"
-    # the screen a greedy batch-1 step reads: the quantized one on more threads, the pairs on one
-    heads = {1: screen.pairs.numel() * screen.pairs.element_size()}
-    if screen.quantized is not None:
-        heads[cores] = screen.quantized.packed.numel() + screen.quantized.scales.numel() * 2
+    # the screen a greedy batch-1 step reads (ScreenedHead.uses_quantized): the quantized one where it
+    # serves that thread count, else the pairs
+    one = torch.ones(1, model.config.hidden_size)
+    heads = {}
+    for threads in rates:
+        torch.set_num_threads(threads)
+        heads[threads] = (size(screen.quantized) if screen.uses_quantized(one)
+                          else screen.pairs.numel() * screen.pairs.element_size())
+    torch.set_num_threads(1)
     sp = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
     prompt = [list(range(100, 116))]
     out: dict[str, Any] = {"layers_bytes": weights, "read_GBps": {str(k): v / 1e9 for k, v in rates.items()}}
     for threads in sorted(rates):
-        total = weights + heads.get(threads, heads[1])
+        total = weights + heads[threads]
         torch.set_num_threads(threads)
         llm.generate(prompt, sp, use_tqdm=False)
         t = time.perf_counter()
