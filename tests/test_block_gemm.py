@@ -82,14 +82,50 @@ def test_the_plain_loop_gives_the_dot_product_paths_bits(kernel):
     plain = block_gemm.BlockGemm(lib)
     assert not plain.serves
     for kind in KINDS:
-        w = block_gemm.pack(blocks(kind, 48, 64, seed=3))
+        w = block_gemm.pack(blocks(kind, 40, 64, seed=3))  # a partial last panel
         x = torch.randn(6, 64, generator=torch.Generator().manual_seed(5))
-        assert torch.equal(plain(x, w, torch.float32), kernel(x, w, torch.float32)), kind
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(plain(x.to(dtype), w, dtype), kernel(x.to(dtype), w, dtype)), (kind, dtype)
 
 
-def test_a_weight_it_cannot_take_is_refused():
+def test_a_weight_or_type_it_cannot_take_is_refused(kernel):
     with pytest.raises(ValueError, match="block_gemm serves Q4_0, Q4_1, Q8_0 blocks, not Q5_0"):
         block_gemm.pack(BlockWeight("Q5_0", torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 1)))
+    w = block_gemm.pack(blocks("Q4_1", 16, 32, seed=0))
+    with pytest.raises(ValueError, match="float32 or bfloat16, not torch.float32 -> torch.float16"):
+        kernel(torch.ones(1, 32), w, torch.float16)
+    # Q4_0's m = -8 d past float16's range: the layer stays on torch's kernel
+    big = BlockWeight("Q4_0", torch.zeros(16, 32, dtype=torch.uint8), torch.full((16, 1), 9000.0))
+    assert not quantized_linear.on_block_gemm(big)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_non_finite_input_makes_its_row_nan(kernel, kind):
+    """A NaN (or an infinity) among a row's inputs makes every output of that row NaN, as the float
+    product's would be, the other rows untouched (Q8_0 has no float sum of the inputs to carry it)."""
+    w = block_gemm.pack(blocks(kind, 40, 96, seed=2))
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    clean = kernel(x, w, torch.float32)
+    for bad in (float("nan"), float("inf")):
+        x[1, 50] = bad
+        y = kernel(x, w, torch.float32)
+        assert y[1].isnan().all(), bad
+        assert torch.equal(y[[0, 2]], clean[[0, 2]])
+
+
+@pytest.mark.parametrize("magnitude", [1e-40, 1e-37, 1e-30, 1.0, 1e30])
+def test_the_bound_holds_for_rows_far_from_one(kernel, magnitude):
+    """Rows of tiny (subnormal, or under float32's normal range once divided by 127) and huge inputs:
+    the kernel scales each row by a power of two, so the stated bound holds at every magnitude."""
+    w = blocks("Q8_0", 40, 96, seed=6)
+    packed = block_gemm.pack(w)
+    ref = w.dequantize()
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(3)) * magnitude
+    x[1, :32] *= 1e-3  # a block far below the row's largest input
+    err = (quantized_linear.bounded_product(x, packed).double() - x.double() @ ref.double().T).abs()
+    bound = quantized_linear.error_bound(packed, w, ref)
+    limit = x.double().norm(dim=1)[:, None] * bound.columns[None] + bound.flushed * (1 + float(x.abs().max()))
+    assert (err <= limit).all()
 
 
 @pytest.mark.parametrize("kind", KINDS)

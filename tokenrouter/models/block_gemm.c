@@ -11,7 +11,7 @@
  *     y[r][j] = sum over blocks b of  d_jb (dx_rb / 254) (q_jb . (254 xq_rb + rq_rb))  +  m_jb sx_rb,
  * with dx_rb = max |x_rb| / 127, xq_rb = round(x_rb / dx_rb), rq_rb = round(254 (x_rb / dx_rb - xq_rb))
  * and sx_rb the block's float32 sum of x. The int32 sums are exact; the inputs' codes stand for x_rb
- * to within dx_rb / 508 (plus the float rounding of x / dx), a 32,000th of the block's largest input,
+ * to within dx_rb / 508 (plus the float rounding of x / dx), a 64,000th of the block's largest input,
  * where a bfloat16 input is off by up to a 512th of itself.
  *
  * Layout (block_gemm.py packs it): panels of 16 output columns; per panel, per block, groups of 64
@@ -40,9 +40,7 @@
 #define BLOCK 32
 #define TILE 4 /* rows sharing one pass over a panel's codes */
 #define SPLIT 254 /* the remainder's codes are in units of dx / SPLIT */
-#ifndef AHEAD
 #define AHEAD 1024 /* bytes of codes fetched ahead of the block in hand */
-#endif
 
 int block_gemm_vnni(void) { return HAVE_VNNI; }
 
@@ -84,21 +82,34 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN st
 }
 
 /* Each row's blocks to two int8 codes, xq and rq [rows][k] (x = dx (xq + rq / 254) up to dx / 508,
- * rq the rounded remainder), scales dx and float sums sx [rows][k / 32]. */
+ * rq the rounded remainder), scales dx and float sums sx [rows][k / 32], after scaling the row by
+ * the power of two 2^e[r] that brings its largest input into [1, 2) (exact both ways: no block
+ * scale or scaled product of a row with inputs far from 1 leaves float32's normal range). A block
+ * under 2^-100 of that reads as zero (its products are below the roundings of the row's larger
+ * ones); a block holding a NaN or an infinity gets scale NaN, so every output of its row is NaN. */
 static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, int8_t *xq, int8_t *rq, float *dx,
-                          float *sx) {
+                          float *sx, float *unscale) {
     for (int64_t r = 0; r < rows; r++) {
+        float row_max = 0.0f;
+        for (int64_t i = 0; i < k; i++) {
+            int64_t at = r * k + i;
+            float v = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+            row_max = fmaxf(row_max, fabsf(v));
+        }
+        int e = row_max > 0.0f && isfinite(row_max) ? -ilogbf(row_max) : 0;
+        unscale[r] = ldexpf(1.0f, -e);
         for (int64_t b = 0; b < k / BLOCK; b++) {
             float v[BLOCK], amax = 0.0f, sum = 0.0f;
             for (int i = 0; i < BLOCK; i++) {
                 int64_t at = r * k + b * BLOCK + i;
-                v[i] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                v[i] = ldexpf(x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at], e);
                 amax = fmaxf(amax, fabsf(v[i]));
                 sum += v[i];
             }
-            float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+            int finite = isfinite(sum) && isfinite(amax);
+            float scale = finite ? amax / 127.0f : NAN, inv = finite && amax >= 0x1p-100f ? 127.0f / amax : 0.0f;
             for (int i = 0; i < BLOCK; i++) {
-                float t = v[i] * inv, hi = nearbyintf(t);
+                float t = finite ? v[i] * inv : 0.0f, hi = nearbyintf(t);
                 xq[r * k + b * BLOCK + i] = (int8_t)hi;
                 rq[r * k + b * BLOCK + i] = (int8_t)nearbyintf((t - hi) * 254.0f);
             }
@@ -108,19 +119,20 @@ static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, in
     }
 }
 
-static inline void store_row(void *y, int y_bf16, int64_t n, int64_t r, int64_t col0, const float *v, int64_t width) {
+static inline void store_row(void *y, int y_bf16, int64_t n, int64_t r, int64_t col0, const float *v, int64_t width,
+                             float unscale) {
     for (int64_t c = 0; c < width; c++) {
         if (y_bf16)
-            ((uint16_t *)y)[r * n + col0 + c] = float_to_bf16(v[c]);
+            ((uint16_t *)y)[r * n + col0 + c] = float_to_bf16(v[c] * unscale);
         else
-            ((float *)y)[r * n + col0 + c] = v[c];
+            ((float *)y)[r * n + col0 + c] = v[c] * unscale;
     }
 }
 
 #if HAVE_VNNI
 static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const uint16_t *m, int64_t blocks,
                        const int8_t *xq, const int8_t *rq, const float *dx, const float *sx, const int32_t *bias,
-                       int64_t k, int64_t rows, float out[TILE][PANEL]) {
+                       int64_t k, int64_t tile_rows, float out[TILE][PANEL]) {
     const __m512i low = _mm512_set1_epi8(0x0f), split = _mm512_set1_epi32(SPLIT);
     __m512 acc[TILE];
     for (int r = 0; r < TILE; r++) acc[r] = _mm512_setzero_ps();
@@ -132,7 +144,7 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
             for (int g = 0; g < 8; g++) _mm_prefetch((const char *)(q + AHEAD + 64 * g), _MM_HINT_T0);
             for (int g = 0; g < 8; g++) {
                 __m512i w = _mm512_loadu_si512((const void *)(q + 64 * g));
-                for (int r = 0; r < rows; r++) {
+                for (int r = 0; r < tile_rows; r++) {
                     int32_t a, c;
                     memcpy(&a, xq + r * k + b * BLOCK + 4 * g, 4);
                     memcpy(&c, rq + r * k + b * BLOCK + 4 * g, 4);
@@ -146,7 +158,7 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
             for (int g = 0; g < 4; g++) {
                 __m512i packed = _mm512_loadu_si512((const void *)(q + 64 * g));
                 __m512i lo = _mm512_and_si512(packed, low), hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-                for (int r = 0; r < rows; r++) {
+                for (int r = 0; r < tile_rows; r++) {
                     const int8_t *xb = xq + r * k + b * BLOCK + 8 * g, *rb = rq + r * k + b * BLOCK + 8 * g;
                     int32_t a, c, e, f;
                     memcpy(&a, xb, 4);
@@ -161,7 +173,7 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
             }
         }
         __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d + b * PANEL)));
-        for (int r = 0; r < rows; r++) {
+        for (int r = 0; r < tile_rows; r++) {
             int64_t at = r * (k / BLOCK) + b;
             /* q . (SPLIT xq + rq), less the Q8_0 codes' offset of 128 times the same sum of the inputs */
             __m512i whole = _mm512_add_epi32(_mm512_mullo_epi32(dot[r], split), rest[r]);
@@ -171,16 +183,16 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
         }
         if (m != NULL) {
             __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * PANEL)));
-            for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[r * (k / BLOCK) + b]), acc[r]);
+            for (int r = 0; r < tile_rows; r++) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[r * (k / BLOCK) + b]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) _mm512_storeu_ps(out[r], acc[r]);
+    for (int r = 0; r < tile_rows; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #else
 static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const uint16_t *m, int64_t blocks,
                        const int8_t *xq, const int8_t *rq, const float *dx, const float *sx, const int32_t *bias,
-                       int64_t k, int64_t rows, float out[TILE][PANEL]) {
-    for (int r = 0; r < rows; r++) {
+                       int64_t k, int64_t tile_rows, float out[TILE][PANEL]) {
+    for (int r = 0; r < tile_rows; r++) {
         for (int c = 0; c < PANEL; c++) {
             float acc = 0.0f;
             for (int64_t b = 0; b < blocks; b++) {
@@ -223,7 +235,7 @@ int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t
                const uint16_t *m, int64_t n, void *y, int y_bf16, int threads) {
     int64_t blocks = k / BLOCK, panels = (n + PANEL - 1) / PANEL, panel_bytes = blocks * PANEL * BLOCK / (bits == 8 ? 1 : 2);
     int8_t *xq = malloc((size_t)(2 * rows * k)), *rq = xq == NULL ? NULL : xq + rows * k;
-    float *scales = malloc(sizeof(float) * (size_t)(3 * rows * blocks));
+    float *scales = malloc(sizeof(float) * (size_t)(3 * rows * blocks + rows));
     if (xq == NULL || scales == NULL) {
         free(xq);
         free(scales);
@@ -231,7 +243,8 @@ int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t
     }
     float *dx = scales, *sx = scales + rows * blocks;
     int32_t *bias = (int32_t *)(scales + 2 * rows * blocks);
-    quantize_rows(x, x_bf16, rows, k, xq, rq, dx, sx);
+    float *unscale = scales + 3 * rows * blocks;
+    quantize_rows(x, x_bf16, rows, k, xq, rq, dx, sx, unscale);
     for (int64_t i = 0; i < rows * blocks; i++) {
         int32_t sum = 0;
         for (int j = 0; j < BLOCK; j++) sum += SPLIT * xq[i * BLOCK + j] + rq[i * BLOCK + j];
@@ -247,7 +260,8 @@ int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t
             float out[TILE][PANEL];
             panel_tile(pc, bits, pd, pm, blocks, xq + r0 * k, rq + r0 * k, dx + r0 * blocks, sx + r0 * blocks,
                        bias + r0 * blocks, k, tile, out);
-            for (int64_t r = 0; r < tile; r++) store_row(y, y_bf16, n, r0 + r, p * PANEL, out[r], width);
+            for (int64_t r = 0; r < tile; r++)
+                store_row(y, y_bf16, n, r0 + r, p * PANEL, out[r], width, unscale[r0 + r]);
         }
     }
     free(xq);

@@ -1,6 +1,6 @@
 """GGUF blocks (Q4_0, Q4_1, Q8_0) times a few rows on the CPU's integer dot-product instructions
 (block_gemm.c, built on first use by native_build.py): each row's blocks of 32 inputs as int8 codes
-on one float scale per block (a coarse code and its rounded remainder, a 32,000th of the block's
+on one float scale per block (a coarse code and its rounded remainder, a 64,000th of the block's
 largest input at worst), the products of the file's codes with them summed exactly in int32
 (AVX512-VNNI), scaled in float32 by the file's own float16 d and m.
 
@@ -82,7 +82,9 @@ class BlockGemm:
         self.serves = bool(lib.block_gemm_vnni())
 
     def __call__(self, x: torch.Tensor, w: PackedBlocks, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        assert x.dtype in (torch.float32, torch.bfloat16) and x.shape[-1] == w.in_features
+        if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"block_gemm takes and gives float32 or bfloat16, not {x.dtype} -> {out_dtype}")
+        assert x.shape[-1] == w.in_features
         x = x.contiguous()
         y = torch.empty(x.shape[0], w.out_features, dtype=out_dtype)
         rc = self._fn(x.data_ptr(), x.dtype == torch.bfloat16, x.shape[0], w.in_features, w.codes.data_ptr(), w.bits,
@@ -96,6 +98,6 @@ class BlockGemm:
 @functools.cache
 def load_kernel() -> BlockGemm | None:
     """The kernel, built once per source, compiler and CPU; None (logged) where it cannot be built."""
-    lib = load_library(SOURCE, COMPILE_FLAGS, "GGUF block GEMM", "4-bit layers stay on torch's int4 kernel",
-                       LINK_FLAGS)
+    lib = load_library(SOURCE, COMPILE_FLAGS, "GGUF block GEMM",
+                       "GGUF block layers and the head's screen stay on torch's kernels", LINK_FLAGS)
     return None if lib is None else BlockGemm(lib)

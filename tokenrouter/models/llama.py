@@ -301,10 +301,11 @@ class LlamaForCausalLM(nn.Module):
         head_name = "model.embed_tokens.weight" if self.config.tie_word_embeddings else "lm_head.weight"
         if self.lm_head_screened is not None:
             source = None if blocks is None else blocks.get(head_name)
-            # A Q8_0 head screens as int8 per channel: its exact form on the int4 kernel is two nibble
-            # planes, twice the work. SmolLM2's 49,152 x 576 head at one row on two threads: 1.59 ms
-            # as two planes, 0.97 ms as int8 (its looser bound recomputes a few more columns); 11.83
-            # -> 11.49 ms a token (benchmarks/handoff_ab.py; 2-core Intel Xeon with AMX, 2026-12-06).
+            # The head's own blocks on block_gemm where it serves: 2.2x the better of int8 per channel
+            # and the pair screen at one row on two threads, a bound 63x tighter (docs/DESIGN.md
+            # section 8). Elsewhere a Q8_0 head screens as int8 per channel: its exact form on the int4
+            # kernel is two nibble planes, twice the work (SmolLM2's head at one row on two threads:
+            # 1.59 ms as two planes, 0.97 ms as int8; benchmarks/handoff_ab.py, 2026-12-06).
             if isinstance(source, BlockWeight) and quantized_linear.on_block_gemm(source):
                 self.lm_head_screened.add_quantized(block_gemm.pack(source), source)
             elif blocks is None or (isinstance(source, BlockWeight) and source.kind == "Q8_0"):

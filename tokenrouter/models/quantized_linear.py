@@ -1,8 +1,8 @@
 """Weight-only quantized products on torch's CPU kernels: GGUF blocks served as the file stores them
 (group-32 int4, `torch.ops.aten._weight_int4pack_mm_for_cpu`), or a float weight as int8 per output
-channel (`_weight_int8pack_mm`, the `--quantization int8` option for Hugging Face folders). A linear
-layer's blocks go to block_gemm.py's integer dot products instead where it serves the CPU
-(`for_layer`); the head's screen stays here, on the bound below.
+channel (`_weight_int8pack_mm`, the `--quantization int8` option for Hugging Face folders). Blocks go
+to block_gemm.py's integer dot products instead where it serves the CPU (`on_block_gemm`: a linear
+layer's, `for_layer`, and the head's screen's); `bounded_product` and `error_bound` cover both.
 
 Both kernels are fast only on bfloat16 activations (AVX512-BF16 / AMX; on float32 ones torch runs a
 reference loop 30x slower), so x is rounded to bfloat16 on the way in and the bfloat16 product
@@ -98,10 +98,12 @@ def from_blocks(w: BlockWeight) -> QuantizedLinear:
 
 
 def on_block_gemm(w: BlockWeight) -> bool:
-    """Whether block_gemm takes these blocks: built on this CPU's integer dot products, and a kind it
-    holds."""
+    """Whether block_gemm takes these blocks: built on this CPU's integer dot products, a kind it
+    holds, and (Q4_0, whose m is -8 d there) every -8 d within float16's range."""
     kernel = block_gemm.load_kernel()
-    return kernel is not None and kernel.serves and w.kind in block_gemm.KINDS
+    if kernel is None or not kernel.serves or w.kind not in block_gemm.KINDS:
+        return False
+    return w.kind != "Q4_0" or bool((8 * w.scales.abs() <= torch.finfo(torch.float16).max).all())
 
 
 def for_layer(w: BlockWeight) -> QuantizedLinear | PackedBlocks:
@@ -221,7 +223,11 @@ def _block_gemm_bound(w: PackedBlocks, source: BlockWeight, reference: torch.Ten
       (||d q_j||_1 + ||m_j||_1) max |x|;
     - the reference's float32 values against the blocks' exact d q + m: ||offset_j||_1 max |x|;
     and an absolute term for results that fall below float32's normal range (no flush to zero there:
-    each of the 3B + 8 roundings is then off by at most 2^-149)."""
+    each of the 3B + 8 roundings is then off by at most 2^-149). The kernel scales each row by a power
+    of two that brings its largest input into [1, 2), exactly, and back (the final rounding under the
+    absolute term); a block under 2^-100 of that largest input reads as zero, and an input rounded
+    as its row scales down moves by under 2^-100 of it: each under 2^-100 max |x| ||d q_j||_1,
+    inside g's term."""
     n, k = w.out_features, w.in_features
     blocks = k // BLOCK
     l1_dq, l1_m, offset = (torch.empty(n, dtype=torch.float64) for _ in range(3))
