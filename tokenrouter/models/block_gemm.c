@@ -81,35 +81,55 @@ static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN st
     return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
 }
 
+static inline uint32_t magnitude_bits(const void *x, int x_bf16, int64_t at) { /* orders as |x| does; NaN last */
+    if (x_bf16) return (uint32_t)(((const uint16_t *)x)[at] & 0x7fff) << 16;
+    uint32_t bits;
+    memcpy(&bits, (const float *)x + at, 4);
+    return bits & 0x7fffffff;
+}
+
 /* Each row's blocks to two int8 codes, xq and rq [rows][k] (x = dx (xq + rq / 254) up to dx / 508,
- * rq the rounded remainder), scales dx and float sums sx [rows][k / 32], after scaling the row by
- * the power of two 2^e[r] that brings its largest input into [1, 2) (exact both ways: no block
- * scale or scaled product of a row with inputs far from 1 leaves float32's normal range). A block
- * under 2^-100 of that reads as zero (its products are below the roundings of the row's larger
- * ones); a block holding a NaN or an infinity gets scale NaN, so every output of its row is NaN. */
+ * rq the rounded remainder), scales dx and float sums sx [rows][k / 32]. A row whose largest input
+ * is outside 2^-60..2^60 is first scaled by the power of two 2^e that brings it into [1, 2), exactly,
+ * and its outputs by 2^-e (`unscale`): no block scale or scaled product then leaves float32's normal
+ * range. A block under 2^-100 of its row's largest input reads as zero (its products are below the
+ * roundings of the row's larger ones); a block holding a NaN or an infinity gets scale NaN, so every
+ * output of its row is NaN. */
 static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, int8_t *xq, int8_t *rq, float *dx,
                           float *sx, float *unscale) {
     for (int64_t r = 0; r < rows; r++) {
-        float row_max = 0.0f;
+        uint32_t top = 0;
         for (int64_t i = 0; i < k; i++) {
-            int64_t at = r * k + i;
-            float v = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-            row_max = fmaxf(row_max, fabsf(v));
+            uint32_t bits = magnitude_bits(x, x_bf16, r * k + i);
+            top = bits > top ? bits : top;
         }
-        int e = row_max > 0.0f && isfinite(row_max) ? -ilogbf(row_max) : 0;
+        int exponent = (int)(top >> 23) - 127, e = 0;
+        if (top != 0 && top < 0x7f800000u && (exponent < -60 || exponent > 60)) {
+            float largest;
+            memcpy(&largest, &top, 4);
+            e = -ilogbf(largest);
+        }
+        /* 2^e as two factors, each within float32's range (|e| <= 149) */
+        float up = ldexpf(1.0f, e / 2), up2 = ldexpf(1.0f, e - e / 2);
         unscale[r] = ldexpf(1.0f, -e);
         for (int64_t b = 0; b < k / BLOCK; b++) {
-            float v[BLOCK], amax = 0.0f, sum = 0.0f;
+            float v[BLOCK], sum = 0.0f;
+            uint32_t block_top = 0;
             for (int i = 0; i < BLOCK; i++) {
                 int64_t at = r * k + b * BLOCK + i;
-                v[i] = ldexpf(x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at], e);
-                amax = fmaxf(amax, fabsf(v[i]));
+                float value = x_bf16 ? bf16_to_float(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                v[i] = e == 0 ? value : value * up * up2;
+                uint32_t bits = magnitude_bits(x, x_bf16, at);
+                block_top = bits > block_top ? bits : block_top;
                 sum += v[i];
             }
-            int finite = isfinite(sum) && isfinite(amax);
+            float amax; /* |x| of the block's largest input, as scaled */
+            memcpy(&amax, &block_top, 4);
+            amax = e == 0 ? amax : amax * up * up2;
+            int finite = block_top < 0x7f800000u;
             float scale = finite ? amax / 127.0f : NAN, inv = finite && amax >= 0x1p-100f ? 127.0f / amax : 0.0f;
             for (int i = 0; i < BLOCK; i++) {
-                float t = finite ? v[i] * inv : 0.0f, hi = nearbyintf(t);
+                float t = v[i] * inv, hi = nearbyintf(t);
                 xq[r * k + b * BLOCK + i] = (int8_t)hi;
                 rq[r * k + b * BLOCK + i] = (int8_t)nearbyintf((t - hi) * 254.0f);
             }
