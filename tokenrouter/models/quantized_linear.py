@@ -223,11 +223,11 @@ def _block_gemm_bound(w: PackedBlocks, source: BlockWeight, reference: torch.Ten
       (||d q_j||_1 + ||m_j||_1) max |x|;
     - the reference's float32 values against the blocks' exact d q + m: ||offset_j||_1 max |x|;
     and an absolute term for results that fall below float32's normal range (no flush to zero there:
-    each of the 3B + 8 roundings is then off by at most 2^-149). The kernel scales each row by a power
-    of two that brings its largest input into [1, 2), exactly, and back (the final rounding under the
-    absolute term); a block under 2^-100 of that largest input reads as zero, and an input rounded
-    as its row scales down moves by under 2^-100 of it: each under 2^-100 max |x| ||d q_j||_1,
-    inside g's term."""
+    each of the 3B + 8 roundings is then off by at most 2^-149). The kernel scales a row whose largest
+    input is outside 2^-60..2^60 by the power of two that brings it into [1, 2), exactly, and back (the
+    final rounding under the absolute term); a block under 2^-100 of the row's largest input reads as
+    zero, and an input rounded as its row scales down moves by under 2^-100 of it: each under 2^-100
+    max |x| ||d q_j||_1, inside g's term."""
     n, k = w.out_features, w.in_features
     blocks = k // BLOCK
     l1_dq, l1_m, offset = (torch.empty(n, dtype=torch.float64) for _ in range(3))
