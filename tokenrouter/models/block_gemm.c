@@ -89,14 +89,15 @@ static inline uint32_t magnitude_bits(const void *x, int x_bf16, int64_t at) { /
 }
 
 /* Each row's blocks to two int8 codes, xq and rq [rows][k] (x = dx (xq + rq / 254) up to dx / 508,
- * rq the rounded remainder), scales dx and float sums sx [rows][k / 32]. A row whose largest input
+ * rq the rounded remainder), the unit dx / 254 of the codes' sum 254 xq + rq and the float sums sx
+ * [rows][k / 32]. A row whose largest input
  * is outside 2^-60..2^60 is first scaled by the power of two 2^e that brings it into [1, 2), exactly,
  * and its outputs by 2^-e (`unscale`): no block scale or scaled product then leaves float32's normal
  * range. A block under 2^-100 of its row's largest input reads as zero (its products are below the
  * roundings of the row's larger ones); a block holding a NaN or an infinity gets scale NaN, so every
  * output of its row is NaN. */
-static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, int8_t *xq, int8_t *rq, float *dx,
-                          float *sx, float *unscale) {
+static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, int8_t *xq, int8_t *rq,
+                          float *unit, float *sx, float *unscale) {
     for (int64_t r = 0; r < rows; r++) {
         uint32_t top = 0;
         for (int64_t i = 0; i < k; i++) {
@@ -133,7 +134,7 @@ static void quantize_rows(const void *x, int x_bf16, int64_t rows, int64_t k, in
                 xq[r * k + b * BLOCK + i] = (int8_t)hi;
                 rq[r * k + b * BLOCK + i] = (int8_t)nearbyintf((t - hi) * 254.0f);
             }
-            dx[r * (k / BLOCK) + b] = scale;
+            unit[r * (k / BLOCK) + b] = scale / SPLIT;
             sx[r * (k / BLOCK) + b] = sum;
         }
     }
@@ -151,7 +152,7 @@ static inline void store_row(void *y, int y_bf16, int64_t n, int64_t r, int64_t 
 
 #if HAVE_VNNI
 static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const uint16_t *m, int64_t blocks,
-                       const int8_t *xq, const int8_t *rq, const float *dx, const float *sx, const int32_t *bias,
+                       const int8_t *xq, const int8_t *rq, const float *unit, const float *sx, const int32_t *bias,
                        int64_t k, int64_t tile_rows, float out[TILE][PANEL]) {
     const __m512i low = _mm512_set1_epi8(0x0f), split = _mm512_set1_epi32(SPLIT);
     __m512 acc[TILE];
@@ -198,19 +199,20 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
             /* q . (SPLIT xq + rq), less the Q8_0 codes' offset of 128 times the same sum of the inputs */
             __m512i whole = _mm512_add_epi32(_mm512_mullo_epi32(dot[r], split), rest[r]);
             if (bits == 8) whole = _mm512_sub_epi32(whole, _mm512_set1_epi32(bias[at]));
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), _mm512_mul_ps(db, _mm512_set1_ps(dx[at] / SPLIT)),
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(whole), _mm512_mul_ps(db, _mm512_set1_ps(unit[at])),
                                      acc[r]);
         }
         if (m != NULL) {
             __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + b * PANEL)));
-            for (int r = 0; r < tile_rows; r++) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[r * (k / BLOCK) + b]), acc[r]);
+            for (int r = 0; r < tile_rows; r++)
+                acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[r * (k / BLOCK) + b]), acc[r]);
         }
     }
     for (int r = 0; r < tile_rows; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 #else
 static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const uint16_t *m, int64_t blocks,
-                       const int8_t *xq, const int8_t *rq, const float *dx, const float *sx, const int32_t *bias,
+                       const int8_t *xq, const int8_t *rq, const float *unit, const float *sx, const int32_t *bias,
                        int64_t k, int64_t tile_rows, float out[TILE][PANEL]) {
     for (int r = 0; r < tile_rows; r++) {
         for (int c = 0; c < PANEL; c++) {
@@ -238,7 +240,7 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
                 }
                 int64_t at = r * (k / BLOCK) + b;
                 int32_t whole = dot * SPLIT + rest - (bits == 8 ? bias[at] : 0);
-                acc = fmaf((float)whole, half_to_float(d[b * PANEL + c]) * (dx[at] / SPLIT), acc);
+                acc = fmaf((float)whole, half_to_float(d[b * PANEL + c]) * unit[at], acc);
                 if (m != NULL) acc = fmaf(half_to_float(m[b * PANEL + c]), sx[at], acc);
             }
             out[r][c] = acc;
@@ -253,7 +255,8 @@ static void panel_tile(const uint8_t *codes, int bits, const uint16_t *d, const 
  * the rounded inputs cannot be allocated. */
 int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t *codes, int bits, const uint16_t *d,
                const uint16_t *m, int64_t n, void *y, int y_bf16, int threads) {
-    int64_t blocks = k / BLOCK, panels = (n + PANEL - 1) / PANEL, panel_bytes = blocks * PANEL * BLOCK / (bits == 8 ? 1 : 2);
+    int64_t blocks = k / BLOCK, panels = (n + PANEL - 1) / PANEL;
+    int64_t panel_bytes = blocks * PANEL * BLOCK / (bits == 8 ? 1 : 2);
     int8_t *xq = malloc((size_t)(2 * rows * k)), *rq = xq == NULL ? NULL : xq + rows * k;
     float *scales = malloc(sizeof(float) * (size_t)(3 * rows * blocks + rows));
     if (xq == NULL || scales == NULL) {
@@ -261,11 +264,11 @@ int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t
         free(scales);
         return -2;
     }
-    float *dx = scales, *sx = scales + rows * blocks;
+    float *unit = scales, *sx = scales + rows * blocks;
     int32_t *bias = (int32_t *)(scales + 2 * rows * blocks);
     float *unscale = scales + 3 * rows * blocks;
-    quantize_rows(x, x_bf16, rows, k, xq, rq, dx, sx, unscale);
-    for (int64_t i = 0; i < rows * blocks; i++) {
+    quantize_rows(x, x_bf16, rows, k, xq, rq, unit, sx, unscale);
+    for (int64_t i = 0; bits == 8 && i < rows * blocks; i++) { /* Q8_0's offset of 128, only there */
         int32_t sum = 0;
         for (int j = 0; j < BLOCK; j++) sum += SPLIT * xq[i * BLOCK + j] + rq[i * BLOCK + j];
         bias[i] = 128 * sum;
@@ -278,7 +281,7 @@ int block_gemm(const void *x, int x_bf16, int64_t rows, int64_t k, const uint8_t
         for (int64_t r0 = 0; r0 < rows; r0 += TILE) {
             int64_t tile = rows - r0 < TILE ? rows - r0 : TILE;
             float out[TILE][PANEL];
-            panel_tile(pc, bits, pd, pm, blocks, xq + r0 * k, rq + r0 * k, dx + r0 * blocks, sx + r0 * blocks,
+            panel_tile(pc, bits, pd, pm, blocks, xq + r0 * k, rq + r0 * k, unit + r0 * blocks, sx + r0 * blocks,
                        bias + r0 * blocks, k, tile, out);
             for (int64_t r = 0; r < tile; r++)
                 store_row(y, y_bf16, n, r0 + r, p * PANEL, out[r], width, unscale[r0 + r]);

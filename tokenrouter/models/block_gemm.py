@@ -101,3 +101,10 @@ def load_kernel() -> BlockGemm | None:
     lib = load_library(SOURCE, COMPILE_FLAGS, "GGUF block GEMM",
                        "GGUF block layers and the head's screen stay on torch's kernels", LINK_FLAGS)
     return None if lib is None else BlockGemm(lib)
+
+
+def product(x: torch.Tensor, w: PackedBlocks, out_dtype: torch.dtype) -> torch.Tensor:
+    """x times blocks `pack` made: the kernel's product (blocks are packed only where it is built)."""
+    kernel = load_kernel()
+    assert kernel is not None, "blocks are packed for block_gemm only where it is built"
+    return kernel(x, w, out_dtype)

@@ -126,9 +126,7 @@ def product(xb: torch.Tensor, w: QuantizedLinear | PackedBlocks) -> torch.Tensor
     """xb [rows, in_features] bfloat16 times the quantized weight: the kernel's bfloat16 [rows,
     out_features] (a view of its padded output where out_features is not a multiple of 16)."""
     if isinstance(w, PackedBlocks):
-        kernel = block_gemm.load_kernel()
-        assert kernel is not None, "blocks are packed for block_gemm only where it is built"
-        return kernel(xb, w)
+        return block_gemm.product(xb, w, torch.bfloat16)
     if w.group == 0:
         return torch.ops.aten._weight_int8pack_mm(xb.contiguous(), w.packed, w.scales)
     if w.repeat > 1:
@@ -147,9 +145,7 @@ def bounded_product(x: torch.Tensor, w: QuantizedLinear | PackedBlocks) -> torch
     """x [rows, in_features] float32 times the quantized weight, float32: the product `error_bound`
     bounds (torch's kernels through bfloat16, as `linear`; block_gemm on x as it is, unrounded)."""
     if isinstance(w, PackedBlocks):
-        kernel = block_gemm.load_kernel()
-        assert kernel is not None, "blocks are packed for block_gemm only where it is built"
-        return kernel(x, w, torch.float32)
+        return block_gemm.product(x, w, torch.float32)
     return linear(x, w)
 
 
