@@ -15,7 +15,14 @@ from safetensors.torch import load_file, save_file
 from tokenrouter import SamplingParams
 from tokenrouter.routed_llm import RoutedLLM
 from tokenrouter.routing import make_algorithm
-from tokenrouter.routing.routers import CiterRouter, DeferralHead, R2RRouter, model_fingerprint, save_router
+from tokenrouter.routing.routers import (
+    CiterRouter,
+    DeferralHead,
+    R2RReleasedRouter,
+    R2RRouter,
+    model_fingerprint,
+    save_router,
+)
 from tokenrouter.runtime.entry.entry import SubserverDied
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -66,6 +73,30 @@ def run(cfg: dict, prompts, params=GREEDY):
     with RoutedLLM(cfg) as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False, timeout=120)
         return outs, llm.last_run
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_r2r_served_scorer_matches_the_module(rows):
+    """The folded serving form (routers.py FoldedR2R) scores as the module does, for each row's own
+    token; and a released-layout head's scorer is its module."""
+    torch.manual_seed(3)
+    head = R2RRouter(48, top_k=12, width=16, blocks=3).eval()
+    with torch.no_grad():
+        for p in head.parameters():  # away from the init's zero biases and unit norms
+            p.add_(0.3 * torch.randn_like(p))
+    embed = torch.randn(200, 48)
+    hidden, logits = torch.randn(rows, 48), torch.randn(rows, 12)
+    tokens = torch.randint(0, 200, (rows,))
+    with torch.no_grad():
+        want = head(hidden, embed[tokens], logits)
+    got = head.scorer(embed)(hidden, tokens, logits)
+    assert got.shape == want.shape == (rows,)
+    assert want.abs().min() > 1e-3  # not trivially zero
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    released = R2RReleasedRouter(48, 12, 48, [16, 16]).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(released.scorer(embed)(hidden, tokens, logits),
+                                   released(hidden, embed[tokens], logits))
 
 
 @pytest.mark.parametrize("kind,param", [("citer", "tau"), ("co_llm", "eta"), ("r2r", "threshold")])

@@ -10,6 +10,7 @@ import torch
 
 from tokenrouter.engine.model_runner import StepOutput, StepOutputSpec
 from tokenrouter.routing.deferral import HeadDeferral
+from tokenrouter.routing.routers import RouterScorer
 
 if TYPE_CHECKING:
     from tokenrouter.engine.engine import Engine
@@ -25,7 +26,7 @@ class R2R(HeadDeferral):
         super().__init__(models, router)
         self.top_k = int(self.meta["arch"]["top_k"])
         self.threshold = self.served_knob(threshold)
-        self.embed: torch.Tensor | None = None
+        self.scorer: RouterScorer | None = None
 
     def outputs(self, model: str) -> StepOutputSpec:
         if model == self.small:
@@ -41,14 +42,15 @@ class R2R(HeadDeferral):
             if want != size:
                 raise ValueError(f"r2r router {self.router_path} reads hidden states of size {want}; "
                                  f"small model {engine.cfg.model_path} has hidden size {size}")
-            self.embed = engine.embedding_weight()  # the small model's own, frozen (whole, even under TP)
+            # the small model's own embedding, frozen (whole, even under TP)
+            self.scorer = self.router.head.scorer(engine.embedding_weight())
 
     @torch.inference_mode()
     def scores(self, step: StepOutput) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.router is not None and self.embed is not None
+        assert self.scorer is not None
         assert step.hidden is not None and step.top_logits is not None
-        tokens = torch.tensor(step.token_ids, device=self.embed.device)
-        score = torch.sigmoid(self.router.head(step.hidden, self.embed[tokens], step.top_logits[0]))
+        tokens = torch.tensor(step.token_ids, device=step.hidden.device)
+        score = torch.sigmoid(self.scorer(step.hidden, tokens, step.top_logits[0]))
         return score, self.request_values(step, "threshold", score.device)
 
     def defers(self, score: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
