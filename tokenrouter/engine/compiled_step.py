@@ -36,7 +36,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from tokenrouter.cache_dir import cache_dir
 from tokenrouter.engine.req import Req
@@ -98,7 +97,11 @@ class CompiledDecode:
             self.mem_pool = torch.cuda.graph_pool_handle()
             self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, StepTensors]] = {}
         else:
-            # Importing inductor writes its /tmp default into the variable: only a value someone chose stays.
+            # Inductor is imported here, not with the module: it takes 1.4 s, and every process that loads a
+            # model would pay it while the compiled step is off on CPU (module docstring). Importing it
+            # writes its /tmp default into the variable: only a value someone chose stays.
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
             if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
             # Each bucket compiles one layer graph (the layer's KV is a tensor offset, its weights are
