@@ -261,6 +261,7 @@ def test_engine_serves_the_blocks_for_few_rows(model_paths, tmp_path, kind, monk
     need_compiler()
     folder = gguf_folder(model_paths["llama"], tmp_path / "m", kind)
     quant, plain = engine(folder), engine(folder, quantization="none")
+    quant.model.layer_loop = None  # counted in Python (the C loop: tests/test_layer_loop.py)
     assert quant.quantization == f"gguf ({', '.join(sorted({kind, 'Q8_0'}))})"  # the embedding is Q8_0
     assert plain.quantization == "none"
     wide = onednn_linear.bfloat16_available()
@@ -321,6 +322,7 @@ def test_the_fused_layer_loop_returns_what_the_blocks_return(model_paths, tmp_pa
     need_compiler()
     folder = model_paths[model] if kind is None else gguf_folder(model_paths[model], tmp_path / "m", kind)
     eng = engine(folder)
+    eng.model.layer_loop = None  # the layers in Python, one call each (the C loop: tests/test_layer_loop.py)
     assert eng.model.fused_ops is not None
     assert (eng.quantization == "none") == (kind is None)
     # with blocks, the few-row steps run the layer in the kernels' bfloat16 from norm to norm

@@ -80,6 +80,7 @@ class BlockGemm:
         self._fn.argtypes = [ptr, i32, i64, i64, ptr, i32, ptr, ptr, i64, ptr, i32, i32]
         self._fn.restype = ctypes.c_int
         self.serves = bool(lib.block_gemm_vnni())
+        self.address: int = ctypes.cast(self._fn, ctypes.c_void_p).value  # for C callers (layer_loop.c)
 
     def __call__(self, x: torch.Tensor, w: PackedBlocks, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         if x.dtype not in (torch.float32, torch.bfloat16) or out_dtype not in (torch.float32, torch.bfloat16):

@@ -54,6 +54,9 @@ class FusedOps:
             fn.restype = ctypes.c_int  # 0, or -2: no memory for the scratch row
         for fn in self._silu_mul.values():
             fn.argtypes = [ptr, i64, i64, i64, ptr]
+        # For C callers (layer_loop.c): the bfloat16 norm, the rotation and the bfloat16 SiLU.
+        self.addresses: dict[str, int] = {name: ctypes.cast(fn, ctypes.c_void_p).value for name, fn in (
+            ("norm", self._norm_bf16), ("rotate", self._rotate), ("silu", self._silu_mul[torch.bfloat16]))}
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,13 +20,15 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from tokenrouter.models import block_gemm, onednn_linear, packed_linear, quantized_linear, skinny_gemm
+from tokenrouter.models import block_gemm, layer_loop, onednn_linear, packed_linear, quantized_linear, skinny_gemm
+from tokenrouter.models.attention import paged_decode_kernel
 from tokenrouter.models.attention.backend import AttentionBackend
 from tokenrouter.models.block_gemm import PackedBlocks
 from tokenrouter.models.config import ModelConfig, ModelLoadError
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.fused_ops import FusedOps
 from tokenrouter.models.gguf_weights import BlockWeight, Weight
+from tokenrouter.models.layer_loop import LayerLoop, LoopLayer
 from tokenrouter.models.layers import GatedMLP, RMSNorm, Rope, RotaryEmbedding, rotate
 from tokenrouter.models.parallel_layers import (
     ColumnParallelLinear,
@@ -213,6 +215,7 @@ class LlamaForCausalLM(nn.Module):
         self.max_step_rows = 0  # pack_linear_weights: the most rows a step runs
         self.lm_head_screened: ScreenedHead | None = None  # pack_linear_weights, with the skinny kernel
         self.fused_ops: FusedOps | None = None  # use_fused_ops
+        self.layer_loop: LayerLoop | None = None  # use_fused_ops, where every layer's products are blocks
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -233,6 +236,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         rope = self.rotary.angles(positions)
         ops = self.fused_ops if run_layer is None and self.model.layers[0].flat is not None else None
+        loop = self.layer_loop if ops is not None else None
+        if loop is not None and x.shape[0] <= loop.max_rows:
+            plan = attn.kernel_plan()
+            if plan is not None:  # every layer in one C call, attention included
+                return self.model.norm(loop(x.contiguous(), rope, plan, attn.pool))
         for layer in self.model.layers:
             if ops is not None:
                 x = layer.fused_forward(x, rope, attn, ops)
@@ -328,6 +336,24 @@ class LlamaForCausalLM(nn.Module):
         if not self.config.qk_norm and self.tp.size == 1:
             for layer in self.model.layers:
                 layer.flat = layer.flat_layer()
+        self.layer_loop = self._layer_loop(ops)
+
+    def _layer_loop(self, ops: FusedOps) -> LayerLoop | None:
+        """The C loop over every layer (models/layer_loop.py), where each layer's four products are
+        blocks on block_gemm without a bias and the loop's library builds; else None."""
+        flats = [layer.flat for layer in self.model.layers]
+        loop_layers = []
+        for f in flats:
+            if f is None or f.quantized is None or f.qkv_bias is not None or f.o_bias is not None \
+                    or not all(isinstance(w, PackedBlocks) for w in f.quantized):
+                return None
+            loop_layers.append(LoopLayer(f.input_norm, f.post_norm, tuple(f.quantized)))
+        lib = layer_loop.load_library_once()
+        if lib is None or block_gemm.load_kernel() is None or paged_decode_kernel.load_kernel() is None:
+            return None
+        f = flats[0]
+        return LayerLoop(lib, ops, loop_layers, f.heads, f.kv_heads, f.head_dim, f.eps,
+                         min(f.quantized_rows for f in flats))
 
     # ---- loading ---------------------------------------------------------------------------
     def checkpoint_slice(self, name: str) -> tuple[int, int, int, int] | None:

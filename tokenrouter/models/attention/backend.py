@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.kv_pool import KVPool
+
+
+class KernelPlan(NamedTuple):
+    """A planned step whose every row attends through the paged kernel (paged_decode_kernel.py): the
+    kernel's per-row arguments, and the slot each row's K/V goes to."""
+
+    reqs: torch.Tensor  # [T] int64: the row's request (its row of the page table)
+    rows: torch.Tensor  # [T] int64: the row in the flat batch
+    lens: torch.Tensor  # [T] int64: keys it attends (its position + 1)
+    page_table: torch.Tensor  # int64, contiguous
+    out_slots: torch.Tensor  # [T] int64
 
 
 class AttentionBackend(ABC):
@@ -33,3 +45,9 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+    def kernel_plan(self) -> KernelPlan | None:
+        """After `plan`: where every row of the step attends through the paged CPU kernel, its
+        arguments, so a caller may run the layers' attention (K/V writes included) in C itself
+        (models/layer_loop.py); None otherwise."""
+        return None

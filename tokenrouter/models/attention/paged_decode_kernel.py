@@ -45,6 +45,7 @@ class PagedDecodeKernel:
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ctypes.c_float, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
+        self.address: int = ctypes.cast(fn, ctypes.c_void_p).value  # for C callers (models/layer_loop.c)
 
     def __call__(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, page_table: torch.Tensor,
                  reqs: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, page_size: int, scale: float,

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tokenrouter.models.attention.backend import AttentionBackend
+from tokenrouter.models.attention.backend import AttentionBackend, KernelPlan
 from tokenrouter.models.attention.paged_decode_kernel import PagedDecodeKernel, load_kernel
 from tokenrouter.models.forward_batch import ForwardBatch
 from tokenrouter.models.kv_pool import KVPool
@@ -218,6 +218,12 @@ class TorchAttentionBackend(AttentionBackend):
         # A padded query row still sees key 0, so no row is all -inf (which would give NaN).
         mask[:, :, 0] = True
         return mask.unsqueeze(1)
+
+    def kernel_plan(self) -> KernelPlan | None:
+        kr = self._kernel_rows
+        if kr is None or not kr.whole or self.pool.k.dtype != torch.float32 or self._out_slots.dtype != torch.int64:
+            return None
+        return KernelPlan(kr.reqs, kr.rows, kr.lens, kr.page_table, self._out_slots.contiguous())
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kc, vc = self.pool.k[layer], self.pool.v[layer]
