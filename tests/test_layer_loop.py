@@ -10,6 +10,7 @@ from engine_utils import need_compiler, prompts_of
 from test_quantized_linear import engine, gguf_folder, logits_of
 
 from tokenrouter.engine.engine import Engine
+from tokenrouter.models import block_gemm
 from tokenrouter.models.layer_loop import LayerLoop
 
 
@@ -32,6 +33,10 @@ def run(eng: Engine) -> list:
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_1", "Q4_0"])
 def test_the_c_loop_writes_what_the_python_loop_writes(model_paths, tmp_path, kind, monkeypatch):
     need_compiler()
+    kernel = block_gemm.load_kernel()
+    assert kernel is not None
+    # The layers take block_gemm on any CPU here: without VNNI it is a plain C loop of the same arithmetic.
+    monkeypatch.setattr(kernel, "serves", True)
     folder = gguf_folder(model_paths["llama"], tmp_path / "m", kind)
     looped, plain = engine(folder), engine(folder)
     assert looped.model.layer_loop is not None and looped.model.layer_loop.max_rows >= 3
