@@ -5,8 +5,8 @@ student, both as served (their GGUF blocks on block_gemm).
 Question: what does the C loop save a step at the row counts it takes (1, 2, 4, 8)?
 
 One engine per model, `--threads` torch threads; the loop is switched in place (the model's
-`layer_loop` set or None), and rounds alternate the two: each a request of a 40-token prompt, greedy,
-EOS ignored, `--rows` such requests side by side, timed over `--steps` decode steps. Prints the median
+`layer_loop` set or None), and rounds alternate the two: `--rows` requests of 40-token prompts side by
+side, greedy, EOS ignored, timed over `--steps` decode steps (engine/profiler.py decode_seconds). Prints the median
 milliseconds a step per round and the ratio, per model and row count.
 
     .venv/bin/python benchmarks/layer_loop_ab.py --rounds 3
@@ -16,31 +16,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
 import yaml
 
 from tokenrouter.engine.config import EngineConfig
 from tokenrouter.engine.engine import Engine
-from tokenrouter.sampling_params import SamplingParams
+from tokenrouter.engine.profiler import decode_seconds
 from tokenrouter.training.default_model import ensure_smollm2
 from tokenrouter.training.prepare import default_pair_config
-
-
-def step_ms(eng: Engine, rows: int, steps: int) -> float:
-    params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
-    for i in range(rows):
-        eng.add_request([(7 * j + 11 * i) % 49152 for j in range(40)], params)
-    eng.step()  # the prompts
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        eng.step()
-        times.append(time.perf_counter() - t0)
-    eng.abort_all()
-    eng.cache.reset()
-    return statistics.median(times) * 1e3
 
 
 def main() -> None:
@@ -56,14 +40,14 @@ def main() -> None:
         loop = eng.model.layer_loop
         if loop is None:
             raise SystemExit(f"{name}: the layer loop does not apply to {path} (see models/layer_loop.py)")
-        step_ms(eng, 1, 20)  # warm
+        decode_seconds(eng, 1, 40, 20)  # warm
         for rows in args.rows:
             pairs = []
             for _ in range(args.rounds):
                 eng.model.layer_loop = loop
-                c = step_ms(eng, rows, args.steps)
+                c = decode_seconds(eng, rows, 40, args.steps) * 1e3
                 eng.model.layer_loop = None
-                py = step_ms(eng, rows, args.steps)
+                py = decode_seconds(eng, rows, 40, args.steps) * 1e3
                 pairs.append((c, py))
             eng.model.layer_loop = loop
             rounds = ", ".join(f"{c:.2f} / {py:.2f}" for c, py in pairs)

@@ -50,7 +50,7 @@ CPU_DECODE_CHUNK_BYTES = 3 << 19  # 1.5 MiB
 # shapes, 8 requests over 150 cached tokens (30 layers): the kernel 1.9x the gather path at 1 and 2
 # new tokens, 1.3-1.6x at 4, 1.0-1.1x at 8, 0.6-0.7x at 16-32, where SDPA's matrix products win.
 # Up to 8, the most rows models/layer_loop.py takes: a step whose every row is on the kernel runs
-# all its layers in one C call (a routed pair's five-token catch-up: 27.5 -> 10 ms on SmolLM2).
+# all its layers in one C call (a routed pair's five-token catch-up: 27.5 -> 11.1 ms on SmolLM2).
 KERNEL_MAX_EXTEND = 8
 # SDPA's backends off the CPU: all but cuDNN's, which builds a graph on the CPU for every new shape,
 # and key lengths change every step. Measured on an H200 (torch 2.11, SmolLM2's shapes, an eager
