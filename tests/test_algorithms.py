@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from engine_utils import check_exact, prompts_of
+from engine_utils import check_exact, need_compiler, prompts_of
 from safetensors.torch import load_file, save_file
 
 from tokenrouter import SamplingParams
@@ -75,12 +75,15 @@ def run(cfg: dict, prompts, params=GREEDY):
         return outs, llm.last_run
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 9])
 def test_r2r_served_scorer_matches_the_module(rows):
     """The folded serving form (routers.py FoldedR2R) scores as the module does, for each row's own
-    token; and a released-layout head's scorer is its module."""
+    token, both in its C kernel (r2r_kernel.c: rows in fours and singles, a width that is no whole
+    vector, a top-k that is no whole run of 8) and as torch calls; a token outside the vocabulary is
+    refused; a released-layout head's scorer is its module."""
+    need_compiler()
     torch.manual_seed(3)
-    head = R2RRouter(48, top_k=12, width=16, blocks=3).eval()
+    head = R2RRouter(48, top_k=12, width=20, blocks=3).eval()
     with torch.no_grad():
         for p in head.parameters():  # away from the init's zero biases and unit norms
             p.add_(0.3 * torch.randn_like(p))
@@ -89,10 +92,15 @@ def test_r2r_served_scorer_matches_the_module(rows):
     tokens = torch.randint(0, 200, (rows,))
     with torch.no_grad():
         want = head(hidden, embed[tokens], logits)
-    got = head.scorer(embed)(hidden, tokens, logits)
+    scorer = head.scorer(embed)
+    assert scorer.kernel is not None
+    got = scorer(hidden, tokens, logits)
     assert got.shape == want.shape == (rows,)
     assert want.abs().min() > 1e-3  # not trivially zero
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scorer.forward_torch(hidden, tokens, logits), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        scorer(hidden, torch.full((rows,), 200), logits)
     released = R2RReleasedRouter(48, 12, 48, [16, 16]).eval()
     with torch.no_grad():
         torch.testing.assert_close(released.scorer(embed)(hidden, tokens, logits),

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
+from tokenrouter.routing import r2r_kernel
+
 ROUTER_FORMAT = 1
 
 
@@ -96,11 +98,10 @@ class FoldedR2R:
     """R2RRouter's forward for serving, one call per step: (last hidden states, sampled token ids, top-k
     logits) -> one logit per row. The input projection is folded with what feeds it: its token
     columns times the frozen embedding become a table of one projected row per token (a row read
-    instead of a product), and its logit columns times `logit_proj` one small map; the blocks run as
-    plain tensor calls on pre-transposed weights. Equal to the module's forward up to float rounding
-    (tests/test_algorithms.py); at one row it costs about half the module's call (0.43 against 0.76 ms
-    on one thread, SmolLM2's 576-wide hidden state and 144-wide blocks), mostly in module overhead
-    and one projection saved. The table holds vocabulary x width float32 values (28 MB for SmolLM2)."""
+    instead of a product), and its logit columns times `logit_proj` one small map. The whole forward is
+    one C call on the CPU (r2r_kernel.c), tensor calls on pre-transposed weights elsewhere. Equal to the
+    module's forward up to float rounding (tests/test_algorithms.py). The table holds vocabulary x width
+    float32 values (28 MB for SmolLM2)."""
 
     def __init__(self, head: R2RRouter, embed: torch.Tensor) -> None:
         h = head.hidden_size
@@ -115,9 +116,20 @@ class FoldedR2R:
                         b.down.weight.t().contiguous(), b.down.bias) for b in head.body]
         self.norm = (head.norm.weight, head.norm.bias, head.norm.eps)
         self.out_map, self.out_bias = head.out.weight.t().contiguous(), head.out.bias
+        lib = r2r_kernel.load_library_once() if embed.device.type == "cpu" else None
+        self.kernel = None if lib is None else r2r_kernel.RouterKernel(
+            lib, self.token_rows, self.hidden_map, self.logit_map, self.bias, self.blocks, self.norm, self.out_map,
+            self.out_bias)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(hidden, tokens, top_logits)
+        return self.forward_torch(hidden, tokens, top_logits)
+
+    @torch.inference_mode()
+    def forward_torch(self, hidden: torch.Tensor, tokens: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
+        """The same forward as torch calls: where the kernel cannot be built, and off the CPU."""
         x = torch.addmm(self.bias + self.token_rows[tokens], hidden.float(), self.hidden_map)
         x = torch.addmm(x, top_logits.float(), self.logit_map)
         for norm_w, norm_b, eps, up_w, up_b, down_w, down_b in self.blocks:
