@@ -116,14 +116,41 @@ def test_top_is_the_full_heads(top: int, make) -> None:
         assert got.values is None and got.ids is None
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("make", [near_ties, sorted_head])
+def test_ranked_top_has_the_screens_ranking_and_exact_logits(rows: int, make) -> None:
+    """top(exact=False) (skinny_gemm.c skinny_top_ranked, one call): each row's k columns the screen
+    ranks highest (as approx.topk's, up to which of equal screen values), their exact logits
+    (bit-identical to the full head's) descending, and the argmax exact on near-ties; None where the
+    recompute would pass max_columns or a row is not finite."""
+    gemm = skinny_kernel()
+    w, x = make(4000, 96, seed=8)
+    x, k = x[:rows].clone(), 20
+    head = ScreenedHead(w, gemm)
+    full, approx = gemm(x, skinny_gemm.pack(w), 4000, None), head.approx(x)
+    got = head.top(x, k, exact=False)
+    assert got is not None and got.values is not None and got.ids is not None
+    assert torch.equal(got.argmax, full.argmax(dim=1))
+    assert torch.equal(approx.gather(1, got.ids).sort(dim=1).values, approx.topk(k, dim=1).values.sort(dim=1).values)
+    assert all(len(set(row)) == k for row in got.ids.tolist())  # no column twice
+    assert torch.equal(got.values, full.gather(1, got.ids))
+    assert (got.values[:, :-1] >= got.values[:, 1:]).all()
+    head.max_columns = k - 1  # fewer than the k ranked columns
+    assert head.top(x, k, exact=False) is None
+    head.max_columns = 4000
+    x[-1, 3] = float("nan")
+    assert head.top(x, k, exact=False) is None
+
+
 def test_exact_ties_keep_the_first_index() -> None:
     gemm = skinny_kernel()
     w = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
     w[50] = w[9] = w[30] = w[9] * 3  # the largest logit of x = w[9], three times
     x = w[9:10].clone() / 3
-    got = ScreenedHead(w.contiguous(), gemm).top(x, 3)
-    assert got is not None and got.argmax.tolist() == [9]
-    assert sorted(got.ids[0].tolist()) == [9, 30, 50]
+    for exact in (True, False):  # exact=False: skinny_top_ranked's own argmax
+        got = ScreenedHead(w.contiguous(), gemm).top(x, 3, exact=exact)
+        assert got is not None and got.argmax.tolist() == [9]
+        assert sorted(got.ids[0].tolist()) == [9, 30, 50]
 
 
 def test_what_is_not_finite_goes_to_the_full_head() -> None:

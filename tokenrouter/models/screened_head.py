@@ -165,21 +165,19 @@ class ScreenedHead:
         thousands of columns to recompute (6,000-14,000 of the default student's 49,152, more than
         `max_columns`, so the full head), where its features move the router's score by under 1e-5."""
         approx = self.approx(x)
-        ranked = None if exact or k <= 1 else approx.topk(k, dim=1).indices
-        cols = self.columns(x, max(k, 1) if ranked is None else 1, approx)
-        if cols is not None and ranked is not None:
-            cols = torch.cat([cols, ranked.flatten()]).unique()  # ascending, as select's
+        if not exact and k > 1:  # one C call: at one row the torch calls it replaces took 0.4 ms of 1.8
+            scale, columns, offset = self.bounds(x)
+            ranked = self.kernel.top_ranked(x, self.weight, approx, k, scale, columns, offset, self.max_columns)
+            return None if ranked is None else ScreenedTop(*ranked)
+        cols = self.columns(x, max(k, 1), approx)
         if cols is None or len(cols) > self.max_columns:
             return None
         products = self.kernel.gather(x, self.weight, cols)
         argmax = cols[products.argmax(dim=1)]
         if not k:
             return ScreenedTop(argmax, None, None)
-        if ranked is None:
-            values, at = products.topk(k, dim=1)
-            return ScreenedTop(argmax, values, cols[at])
-        values, order = products.gather(1, torch.searchsorted(cols, ranked)).sort(dim=1, descending=True)
-        return ScreenedTop(argmax, values, ranked.gather(1, order))
+        values, at = products.topk(k, dim=1)
+        return ScreenedTop(argmax, values, cols[at])
 
 
 class _Bounds(NamedTuple):

@@ -197,20 +197,14 @@ static void sift_down(double *heap, int64_t size, int64_t i) {
 
 /* Row r of approx [m rows, n] (row stride ld) is within scale[r] * norms[j] + offset of the exact
  * product in column j. For each row: floor_r, the `top`-th largest of approx - bound (at most the exact
- * `top`-th largest), and every column whose approx + bound reaches it (all in double). Writes the union
- * of those columns over the rows, ascending, to cols (room for n) and returns how many; -1 for a shape
- * it does not take or a row that is not finite (the caller computes exactly), -2 without memory. */
-int64_t skinny_select(const float *approx, int64_t m, int64_t n, int64_t ld, int64_t top, const double *scale,
-                      const double *norms, double offset, int64_t *cols) {
+ * `top`-th largest), and every column whose approx + bound reaches it (all in double), marked in mark
+ * (n bytes). 0; -1 for a shape it does not take or a row that is not finite, -2 without memory. */
+static int mark_candidates(const float *approx, int64_t m, int64_t n, int64_t ld, int64_t top, const double *scale,
+                           const double *norms, double offset, uint8_t *mark) {
     if (m < 1 || n < 1 || top < 1 || top > n || ld < n) return -1;
     double *heap = malloc((size_t)top * sizeof(double));
-    uint8_t *mark = calloc((size_t)n, 1);
-    if (!heap || !mark) {
-        free(heap);
-        free(mark);
-        return -2;
-    }
-    int64_t rc = 0;
+    if (!heap) return -2;
+    int rc = 0;
     for (int64_t r = 0; r < m && rc == 0; r++) {
         const float *a = approx + r * ld;
         const double s = scale[r];
@@ -232,11 +226,21 @@ int64_t skinny_select(const float *approx, int64_t m, int64_t n, int64_t ld, int
         }
         for (int64_t j = 0; j < n; j++) mark[j] |= a[j] + s * norms[j] + offset >= floor_;
     }
+    free(heap);
+    return rc;
+}
+
+/* The union over the rows of mark_candidates' columns, ascending, to cols (room for n); returns how
+ * many, or mark_candidates' error (the caller computes exactly). */
+int64_t skinny_select(const float *approx, int64_t m, int64_t n, int64_t ld, int64_t top, const double *scale,
+                      const double *norms, double offset, int64_t *cols) {
+    uint8_t *mark = n > 0 ? calloc((size_t)n, 1) : NULL;
+    if (!mark) return n > 0 ? -2 : -1;
+    const int rc = mark_candidates(approx, m, n, ld, top, scale, norms, offset, mark);
     int64_t count = 0;
     if (rc == 0)
         for (int64_t j = 0; j < n; j++)
             if (mark[j]) cols[count++] = j;
-    free(heap);
     free(mark);
     return rc == 0 ? count : rc;
 }
@@ -270,4 +274,86 @@ int skinny_gather_f32(const float *x, int64_t m, int64_t ldx, const float *weigh
     }
     free(panel);
     return 0;
+}
+
+/* Min-heap by value of the `top` largest (value, column) pairs seen: [0] is the smallest of them. */
+static void sift_ranked(float *v, int64_t *c, int64_t size, int64_t i) {
+    for (;;) {
+        int64_t ch = 2 * i + 1;
+        if (ch >= size) return;
+        if (ch + 1 < size && v[ch + 1] < v[ch]) ch++;
+        if (!(v[ch] < v[i])) return;
+        const float tv = v[ch];
+        const int64_t tc = c[ch];
+        v[ch] = v[i], c[ch] = c[i], v[i] = tv, c[i] = tc;
+        i = ch;
+    }
+}
+
+static int64_t find(const int64_t *sorted, int64_t count, int64_t col) {
+    int64_t lo = 0, hi = count;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi) / 2;
+        if (sorted[mid] < col) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+/* ScreenedHead.top's ranked form in one call. Rows x [m, k] with their screen approx [m, n] (bounds as
+ * mark_candidates'): each row's `top` columns that approx ranks highest (ids), their exact products
+ * (skinny_gather_f32's values, so bit-identical to the float32 head's) in values, descending; and
+ * argmax, each row's first largest exact product over the union of the ranked columns and the columns
+ * that can hold its largest (recomputed exactly, ascending). Returns 0; -1 for a shape it does not take
+ * or a row that is not finite, -2 without memory, -3 when the union passes max_columns (for both -1
+ * and -3 the caller takes the full head). */
+int skinny_top_ranked(const float *x, int64_t m, int64_t ldx, const float *weight, int64_t n, int64_t k, int64_t ldw,
+                      const float *approx, int64_t ld, int64_t top, const double *scale, const double *norms,
+                      double offset, int64_t max_columns, int64_t *argmax, float *values, int64_t *ids) {
+    if (m < 1 || n < 1 || top < 1 || top > n || ld < n || max_columns < 1) return -1;
+    uint8_t *mark = calloc((size_t)n, 1);
+    int64_t *cols = malloc((size_t)max_columns * sizeof(int64_t));
+    float *exact = NULL;
+    int rc = mark == NULL || cols == NULL ? -2 : mark_candidates(approx, m, n, ld, 1, scale, norms, offset, mark);
+    for (int64_t r = 0; r < m && rc == 0; r++) {
+        const float *a = approx + r * ld;
+        float *v = values + r * top;
+        int64_t *c = ids + r * top;
+        for (int64_t j = 0; j < top; j++) v[j] = a[j], c[j] = j;
+        for (int64_t i = top / 2 - 1; i >= 0; i--) sift_ranked(v, c, top, i);
+        for (int64_t j = top; j < n; j++)
+            if (a[j] > v[0]) {
+                v[0] = a[j], c[0] = j;
+                sift_ranked(v, c, top, 0);
+            }
+        for (int64_t j = 0; j < top; j++) mark[c[j]] = 1;
+    }
+    int64_t count = 0;
+    for (int64_t j = 0; j < n && rc == 0; j++)
+        if (mark[j]) {
+            if (count == max_columns) rc = -3;
+            else cols[count++] = j;
+        }
+    if (rc == 0 && !(exact = malloc((size_t)(m * count) * sizeof(float)))) rc = -2;
+    if (rc == 0) rc = skinny_gather_f32(x, m, ldx, weight, n, k, ldw, cols, count, exact, count);
+    for (int64_t r = 0; r < m && rc == 0; r++) {
+        const float *e = exact + r * count;
+        int64_t best = 0;
+        for (int64_t j = 1; j < count; j++)
+            if (e[j] > e[best]) best = j;
+        argmax[r] = cols[best];
+        float *v = values + r * top;
+        int64_t *c = ids + r * top;
+        for (int64_t j = 0; j < top; j++) v[j] = e[find(cols, count, c[j])];
+        for (int64_t i = 1; i < top; i++) {  /* insertion sort, descending: top is small (R2R's 100) */
+            const float tv = v[i];
+            const int64_t tc = c[i];
+            int64_t j = i;
+            for (; j > 0 && v[j - 1] < tv; j--) v[j] = v[j - 1], c[j] = c[j - 1];
+            v[j] = tv, c[j] = tc;
+        }
+    }
+    free(mark);
+    free(cols);
+    free(exact);
+    return rc;
 }

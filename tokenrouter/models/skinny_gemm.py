@@ -66,6 +66,10 @@ class SkinnyGemm:
         self._gather = lib.skinny_gather_f32
         self._gather.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, ptr, i64]
         self._gather.restype = ctypes.c_int
+        self._top_ranked = lib.skinny_top_ranked
+        self._top_ranked.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, ptr, ptr, ctypes.c_double, i64,
+                                     ptr, ptr, ptr]
+        self._top_ranked.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,6 +140,33 @@ class SkinnyGemm:
         if rc != 0:
             raise ValueError(f"skinny gather: a column index outside [0, {weight.shape[0]})")
         return y
+
+    def top_ranked(self, x: torch.Tensor, weight: torch.Tensor, approx: torch.Tensor, top: int, scale: torch.Tensor,
+                   norms: torch.Tensor, offset: float, max_columns: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """x [rows, k] with its screen `approx` [rows, n] (within scale[r] * norms[j] + offset, float64, of
+        the exact products of the float32 weight [n, k]): (argmax [rows], the exact products of each
+        row's `top` columns approx ranks highest [rows, top] descending, their columns [rows, top]),
+        the argmax exact; the products as `gather`'s. None when a row is not finite or more than
+        `max_columns` columns would be recomputed."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, k = x.shape
+        n = weight.shape[0]
+        if (weight.dtype != torch.float32 or weight.shape[1] != k or weight.stride(1) != 1 or approx.shape != (rows, n)
+                or approx.stride(1) != 1 or scale.dtype != torch.float64 or norms.dtype != torch.float64
+                or not 1 <= top <= n):
+            raise ValueError(f"skinny top_ranked: x {tuple(x.shape)}, weight {weight.dtype} {tuple(weight.shape)}, "
+                             f"approx {tuple(approx.shape)}, top {top}")
+        scale, norms = scale.contiguous(), norms.contiguous()
+        argmax, ids = torch.empty(rows, dtype=torch.int64), torch.empty(rows, top, dtype=torch.int64)
+        values = torch.empty(rows, top, dtype=torch.float32)
+        rc = self._top_ranked(x.data_ptr(), rows, x.stride(0), weight.data_ptr(), n, k, weight.stride(0),
+                              approx.data_ptr(), approx.stride(0), top, scale.data_ptr(), norms.data_ptr(), offset,
+                              max_columns, argmax.data_ptr(), values.data_ptr(), ids.data_ptr())
+        if rc == -2:
+            raise MemoryError("skinny top_ranked: no memory for its buffers")
+        return None if rc != 0 else (argmax, values, ids)
 
 
 @functools.cache
