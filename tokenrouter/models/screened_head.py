@@ -145,8 +145,9 @@ class ScreenedHead:
         column[j] + offset, exact being the float32 head's value."""
         b = self.quantized_bounds if self.uses_quantized(x) else self.pair_bounds
         assert b is not None
-        xd = x.double()
-        return xd.norm(dim=1), b.columns, b.flushed * (1 + float(xd.abs().max()))
+        # float64 norms as the bound's derivation takes them; the largest |x_j| is exact in float32
+        return (torch.linalg.vector_norm(x, dim=1, dtype=torch.float64), b.columns,
+                b.flushed * (1 + float(x.abs().max())))
 
     def columns(self, x: torch.Tensor, k: int, approx: torch.Tensor | None = None) -> torch.Tensor | None:
         """The columns (ascending) the screen cannot rule out of some row's k largest logits (k >= 1);
