@@ -101,6 +101,7 @@ def test_r2r_served_scorer_matches_the_module(rows):
     torch.testing.assert_close(scorer.forward_torch(hidden, tokens, logits), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         scorer(hidden, torch.full((rows,), 200), logits)
+    assert scorer(hidden[:0], tokens[:0], logits[:0]).shape == (0,)
     released = R2RReleasedRouter(48, 12, 48, [16, 16]).eval()
     with torch.no_grad():
         torch.testing.assert_close(released.scorer(embed)(hidden, tokens, logits),

@@ -74,6 +74,8 @@ class RouterKernel:
         assert hidden.shape[1] == self._router.hidden and top_logits.shape == (rows, self._router.top_k)
         assert tokens.shape == (rows,)
         out = torch.empty(rows, dtype=torch.float32)
+        if rows == 0:  # malloc(0) may return NULL: no call
+            return out
         rc = self._fn(ctypes.byref(self._router), hidden.data_ptr(), hidden.stride(0), tokens.data_ptr(),
                       top_logits.data_ptr(), top_logits.stride(0), rows, out.data_ptr())
         if rc == -2:
