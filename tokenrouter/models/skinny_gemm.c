@@ -181,8 +181,9 @@ int skinny_screen_bf16(const float *x, int64_t m, int64_t ldx, const uint16_t *p
     return 0;
 }
 
-/* Min-heap of the `top` largest values seen: heap[0] is the smallest of them. */
-static void sift_down(double *heap, int64_t size, int64_t i) {
+/* Min-heap of the `top` largest values seen: heap[0] is the smallest of them; `cols`, where not NULL,
+ * moves along with the values (each value's column). */
+static void sift_down(double *heap, int64_t *cols, int64_t size, int64_t i) {
     for (;;) {
         int64_t c = 2 * i + 1;
         if (c >= size) return;
@@ -191,6 +192,11 @@ static void sift_down(double *heap, int64_t size, int64_t i) {
         const double t = heap[c];
         heap[c] = heap[i];
         heap[i] = t;
+        if (cols) {
+            const int64_t tc = cols[c];
+            cols[c] = cols[i];
+            cols[i] = tc;
+        }
         i = c;
     }
 }
@@ -209,14 +215,14 @@ static int mark_candidates(const float *approx, int64_t m, int64_t n, int64_t ld
         const float *a = approx + r * ld;
         const double s = scale[r];
         for (int64_t j = 0; j < top; j++) heap[j] = a[j] - s * norms[j] - offset;
-        for (int64_t i = top / 2 - 1; i >= 0; i--) sift_down(heap, top, i);
+        for (int64_t i = top / 2 - 1; i >= 0; i--) sift_down(heap, NULL, top, i);
         float bad = 0.0f;  /* stays 0 unless a value is infinite or NaN */
         for (int64_t j = 0; j < n; j++) bad += a[j] * 0.0f;
         for (int64_t j = top; j < n; j++) {
             const double lo = a[j] - s * norms[j] - offset;
             if (lo > heap[0]) {
                 heap[0] = lo;
-                sift_down(heap, top, 0);
+                sift_down(heap, NULL, top, 0);
             }
         }
         const double floor_ = heap[0];
@@ -276,20 +282,6 @@ int skinny_gather_f32(const float *x, int64_t m, int64_t ldx, const float *weigh
     return 0;
 }
 
-/* Min-heap by value of the `top` largest (value, column) pairs seen: [0] is the smallest of them. */
-static void sift_ranked(float *v, int64_t *c, int64_t size, int64_t i) {
-    for (;;) {
-        int64_t ch = 2 * i + 1;
-        if (ch >= size) return;
-        if (ch + 1 < size && v[ch + 1] < v[ch]) ch++;
-        if (!(v[ch] < v[i])) return;
-        const float tv = v[ch];
-        const int64_t tc = c[ch];
-        v[ch] = v[i], c[ch] = c[i], v[i] = tv, c[i] = tc;
-        i = ch;
-    }
-}
-
 static int64_t find(const int64_t *sorted, int64_t count, int64_t col) {
     int64_t lo = 0, hi = count;
     while (lo < hi) {
@@ -312,18 +304,18 @@ int skinny_top_ranked(const float *x, int64_t m, int64_t ldx, const float *weigh
     if (m < 1 || n < 1 || top < 1 || top > n || ld < n || max_columns < 1) return -1;
     uint8_t *mark = calloc((size_t)n, 1);
     int64_t *cols = malloc((size_t)max_columns * sizeof(int64_t));
+    double *heap = malloc((size_t)top * sizeof(double));
     float *exact = NULL;
-    int rc = mark == NULL || cols == NULL ? -2 : mark_candidates(approx, m, n, ld, 1, scale, norms, offset, mark);
+    int rc = !mark || !cols || !heap ? -2 : mark_candidates(approx, m, n, ld, 1, scale, norms, offset, mark);
     for (int64_t r = 0; r < m && rc == 0; r++) {
         const float *a = approx + r * ld;
-        float *v = values + r * top;
         int64_t *c = ids + r * top;
-        for (int64_t j = 0; j < top; j++) v[j] = a[j], c[j] = j;
-        for (int64_t i = top / 2 - 1; i >= 0; i--) sift_ranked(v, c, top, i);
+        for (int64_t j = 0; j < top; j++) heap[j] = a[j], c[j] = j;
+        for (int64_t i = top / 2 - 1; i >= 0; i--) sift_down(heap, c, top, i);
         for (int64_t j = top; j < n; j++)
-            if (a[j] > v[0]) {
-                v[0] = a[j], c[0] = j;
-                sift_ranked(v, c, top, 0);
+            if (a[j] > heap[0]) {
+                heap[0] = a[j], c[0] = j;
+                sift_down(heap, c, top, 0);
             }
         for (int64_t j = 0; j < top; j++) mark[c[j]] = 1;
     }
@@ -354,6 +346,7 @@ int skinny_top_ranked(const float *x, int64_t m, int64_t ldx, const float *weigh
     }
     free(mark);
     free(cols);
+    free(heap);
     free(exact);
     return rc;
 }

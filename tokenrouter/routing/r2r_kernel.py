@@ -39,8 +39,15 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().contiguous()
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as float32 with unit stride along its rows (any row stride: the kernel takes it)."""
+    t = t.float()
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 class RouterKernel:
-    """Holds float32 copies of the folded weights (the C side keeps pointers into them). Maps are input-major:
+    """Holds the folded weights as float32 contiguous tensors (the given ones where already so; the C side
+    keeps pointers into them). Maps are input-major:
     `hidden_map` [hidden, width], `logit_map` [top_k, width], each block's up [width, 4 width] and down
     [4 width, width]; `token_rows` [vocabulary, width]."""
 
@@ -67,8 +74,7 @@ class RouterKernel:
                                kept[6].data_ptr(), norm[2], float(out_bias.reshape(()).item()))
 
     def __call__(self, hidden: torch.Tensor, tokens: torch.Tensor, top_logits: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.float() if hidden.stride(-1) == 1 else hidden.float().contiguous()
-        top_logits = top_logits.float() if top_logits.stride(-1) == 1 else top_logits.float().contiguous()
+        hidden, top_logits = _rows(hidden), _rows(top_logits)
         tokens = tokens.to(torch.int64).contiguous()
         rows = hidden.shape[0]
         assert hidden.shape[1] == self._router.hidden and top_logits.shape == (rows, self._router.top_k)
