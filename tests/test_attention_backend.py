@@ -9,6 +9,7 @@ from engine_utils import make_engine, need_compiler
 from torch.profiler import ProfilerActivity, profile
 
 from tokenrouter.models.attention import paged_decode_kernel
+from tokenrouter.models.attention import torch_backend as tb
 from tokenrouter.models.attention.reference_backend import ReferenceAttentionBackend
 from tokenrouter.models.attention.registry import make_backend
 from tokenrouter.models.attention.torch_backend import TorchAttentionBackend, sdpa_scope
@@ -136,6 +137,24 @@ def test_kernel_rows_do_not_depend_on_the_batch():
                            torch.tensor([extend[i] - 1]), [prefix[i]], [extend[i]], PAGE)
         backend.plan(one)
         assert torch.equal(backend.forward(0, q[rows], k[rows], v[rows]), full[rows])
+
+
+def test_the_kernel_takes_longer_extends_only_over_few_keys():
+    """Extends of up to KERNEL_MAX_EXTEND rows at any length, longer ones up to KERNEL_WIDE_EXTEND
+    while extend x keys stays within KERNEL_MAX_PAIRS: a step wholly on the kernel has a kernel plan
+    (the layer loop takes it); any other request leaves the step to the eager paths."""
+    need_compiler()
+    gen = torch.Generator().manual_seed(2)
+    pool = KVPool(300, PAGE, 1, 2, 16, torch.float32, torch.device("cpu"))
+    backend = TorchAttentionBackend(pool, 8, 2, 16, kernel=True)
+    assert tb.KERNEL_MAX_EXTEND < 12 <= tb.KERNEL_WIDE_EXTEND and 12 * 400 > tb.KERNEL_MAX_PAIRS
+    for prefix, extend, whole in [([900], [8], True), ([30], [12], True), ([0, 5], [16, 1], True),
+                                  ([400], [12], False), ([0], [tb.KERNEL_WIDE_EXTEND + 1], False),
+                                  ([30, 3], [12, 9], True), ([400, 3], [12, 1], False)]:
+        backend.plan(make_batch(prefix, extend, 300, gen))
+        assert (backend.kernel_plan() is not None) == whole, (prefix, extend)
+    for ref, new in run_both([30, 0], [12, 16], 8, 2, seed=3, kernel=True):
+        assert (ref - new).abs().max().item() <= TOL
 
 
 def test_kernel_leaves_the_process_float_mode_alone():

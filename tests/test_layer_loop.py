@@ -1,6 +1,6 @@
 """The C loop over a decoder's layers (tokenrouter/models/layer_loop.py) against the Python loop it
 replaces (`DecoderLayer.fused_forward` layer by layer): the same logits and tokens bit for bit, and the
-same K/V in the pool, for each block type, at one row, several decode rows and a short extend."""
+same K/V in the pool, for each block type, at one row, several decode rows and extends of 7 and 12 rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from engine_utils import need_compiler, prompts_of
 from test_quantized_linear import engine, gguf_folder, logits_of
 
 from tokenrouter.engine.engine import Engine
-from tokenrouter.models import block_gemm
+from tokenrouter.models import block_gemm, quantized_linear
 from tokenrouter.models.layer_loop import LayerLoop
 
 
@@ -24,9 +24,9 @@ def distinct_norms(eng: Engine) -> None:
 
 
 def run(eng: Engine) -> list:
-    """A one-row decode, a 7-token extend, then three requests decoding side by side (a 28-row prompt
-    step first, more rows than the loop takes)."""
-    out = logits_of(eng, prompts_of([7], seed=3), 5)
+    """A one-row decode, a 7-token and a 12-token extend, then three requests decoding side by side (a
+    28-row prompt step first, more rows than the loop takes)."""
+    out = logits_of(eng, prompts_of([7], seed=3), 5) + logits_of(eng, prompts_of([12], seed=2), 3)
     return out + logits_of(eng, prompts_of([20, 5, 3], seed=1), 6)
 
 
@@ -38,7 +38,12 @@ def test_the_c_loop_writes_what_the_python_loop_writes(model_paths, tmp_path, ki
     # The layers take block_gemm on any CPU here: without VNNI it is a plain C loop of the same arithmetic.
     monkeypatch.setattr(kernel, "serves", True)
     folder = gguf_folder(model_paths["llama"], tmp_path / "m", kind)
-    looped, plain = engine(folder), engine(folder)
+    looped = engine(folder)
+    # The loop takes steps of up to the quantized kernel's rows on the blocks, also where the Python
+    # loop takes them in bfloat16 (oneDNN running it natively, quantized_linear.WIDE_ROWS), which the
+    # plain engine here is told not to.
+    monkeypatch.setattr(quantized_linear, "WIDE_ROWS", quantized_linear.MAX_ROWS + 1)
+    plain = engine(folder)
     assert looped.model.layer_loop is not None and looped.model.layer_loop.max_rows >= 3
     plain.model.layer_loop = None
     for eng in (looped, plain):
@@ -52,7 +57,7 @@ def test_the_c_loop_writes_what_the_python_loop_writes(model_paths, tmp_path, ki
 
     monkeypatch.setattr(LayerLoop, "__call__", counted)
     got, want = run(looped), run(plain)
-    assert {1, 3, 7} <= set(rows) and max(rows) <= looped.model.layer_loop.max_rows
+    assert {1, 3, 7, 12} <= set(rows) and max(rows) <= looped.model.layer_loop.max_rows
     for (tokens, logits), (want_tokens, want_logits) in zip(got, want):
         assert tokens == want_tokens and torch.equal(logits, want_logits)
     assert torch.equal(looped.pool.k, plain.pool.k) and torch.equal(looped.pool.v, plain.pool.v)

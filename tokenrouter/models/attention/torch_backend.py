@@ -1,11 +1,12 @@
 """Paged attention tuned for the CPU, pure PyTorch but for one native kernel; runs on CUDA as well.
 
 On CPU with a float32 pool, every request that extends by at most `KERNEL_MAX_EXTEND` tokens
-(decodes, short catch-ups) goes to the paged kernel (paged_decode_kernel.py): one call per layer,
-each query row reading its request's pages in place. Everything else, and everything when the
-kernel is off or cannot be built, takes the pure PyTorch paths below. The kernel is single-threaded;
-it is kept at any torch thread count, where the gather-and-bmm path measured slower at decode sizes
-(a step's attention is a small share of its products there).
+(decodes, short catch-ups), or by up to `KERNEL_WIDE_EXTEND` over few keys, goes to the paged kernel
+(paged_decode_kernel.py): one call per layer, each query row reading its request's pages in place.
+Everything else, and everything when the kernel is off or cannot be built, takes the pure PyTorch
+paths below. The kernel is single-threaded; it is kept at any torch thread count, where the
+gather-and-bmm path measured slower at decode sizes (a step's attention is a small share of its
+products there).
 
 Requests are split into up to three groups, each attended in padded calls:
 
@@ -49,9 +50,20 @@ CPU_DECODE_CHUNK_BYTES = 3 << 19  # 1.5 MiB
 # Requests extending by at most this many tokens go to the paged kernel. Measured on SmolLM2's
 # shapes, 8 requests over 150 cached tokens (30 layers): the kernel 1.9x the gather path at 1 and 2
 # new tokens, 1.3-1.6x at 4, 1.0-1.1x at 8, 0.6-0.7x at 16-32, where SDPA's matrix products win.
-# Up to 8, the most rows models/layer_loop.py takes: a step whose every row is on the kernel runs
-# all its layers in one C call (a routed pair's five-token catch-up: 27.5 -> 11.1 ms on SmolLM2).
+# A step whose every row is on the kernel runs all its layers in one C call where the model has the
+# loop (models/layer_loop.py; a routed pair's five-token catch-up: 27.5 -> 11.1 ms on SmolLM2).
 KERNEL_MAX_EXTEND = 8
+# Longer extends, up to KERNEL_WIDE_EXTEND tokens, go to the kernel too while they attend at most
+# KERNEL_MAX_PAIRS query-key pairs (extend x keys): the kernel's work grows with both, and what it saves
+# is the eager path's per-layer calls. A routed pair's catch-up after a long run of the small model's
+# tokens is such an extend at one request. SmolLM2 on its GGUF blocks, one request, whole step, two
+# threads (2-core Xeon, 2026-12-07, the two paths alternated in one process): 9 / 12 / 16 new tokens
+# over 64 keys 1.97x / 1.68x / 1.37x the eager path, over 256 keys 1.57x / 1.38x / 1.21x, over 512
+# 1.38x / 1.21x / 0.97x; 24 new tokens 1.04x over 64 keys, 0.88x over 256. Without the loop (the float
+# weights) the kernel's attention at 9-16 tokens matched SDPA over 64 keys (0.99-1.04x) and lost at
+# 16 over 416 keys (0.93x).
+KERNEL_WIDE_EXTEND = 16
+KERNEL_MAX_PAIRS = 4096
 # SDPA's backends off the CPU: all but cuDNN's, which builds a graph on the CPU for every new shape,
 # and key lengths change every step. Measured on an H200 (torch 2.11, SmolLM2's shapes, an eager
 # decode step at batch 1): 9.0 ms of CPU per call against 4 us on the GPU, 88 % of the step
@@ -62,6 +74,12 @@ GPU_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 def sdpa_scope(device: torch.device) -> AbstractContextManager[None]:
     """The backends SDPA may pick for a call on `device`: `GPU_SDPA_BACKENDS` off the CPU, any on it."""
     return nullcontext() if device.type == "cpu" else sdpa_kernel(list(GPU_SDPA_BACKENDS))
+
+
+def _kernel_takes(extend: int, prefix: int) -> bool:
+    """Whether the paged kernel attends a request's `extend` new tokens over `prefix` cached ones."""
+    return extend <= KERNEL_MAX_EXTEND or (
+        extend <= KERNEL_WIDE_EXTEND and extend * (prefix + extend) <= KERNEL_MAX_PAIRS)
 
 
 class _KernelRows(NamedTuple):
@@ -129,11 +147,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._extends: list[_Extend] = []
         self._kernel_rows: _KernelRows | None = None
         ext_l, pre_l = batch.extend_lens_list, batch.prefix_lens_list
-        limit = KERNEL_MAX_EXTEND if self.kernel is not None else 0  # extends the kernel takes
-        short = [i for i, e in enumerate(ext_l) if e <= limit]
+        on_kernel = [self.kernel is not None and _kernel_takes(e, k) for e, k in zip(ext_l, pre_l)]
+        short = [i for i, taken in enumerate(on_kernel) if taken]
         if short:
             self._kernel_rows = self._plan_kernel(batch, short)
-        rest = [i for i, e in enumerate(ext_l) if e > limit]
+        rest = [i for i, taken in enumerate(on_kernel) if not taken]
         dec = [i for i in rest if ext_l[i] == 1]
         fresh = [i for i in rest if ext_l[i] != 1 and pre_l[i] == 0]
         cont = [i for i in rest if ext_l[i] != 1 and pre_l[i] > 0]
