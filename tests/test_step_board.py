@@ -110,8 +110,15 @@ def test_beside_co_located_peers_every_core_only_at_one_live_request(boards):
     peer.hold(2)  # the peer holds requests: it steps again soon
     with share.step(2, live=1) as threads:  # one request (a verification of one draft: two rows)
         assert threads == 2
+    with share.step(20, live=1) as threads:  # taking turns, a larger step (a long catch-up) too
+        assert threads == 2
     with share.step(1, live=2) as threads:  # a second request: the models no longer take turns
         assert threads == 1
+    with share.step(20, live=2) as threads:
+        assert threads == 1
+    with peer.running():
+        with share.step(20, live=1) as threads:  # a peer is stepping: one thread at any rows
+            assert threads == 1
     with pytest.raises(ValueError, match="max_live >= 1"):
         CoreShare(2, 8, mine, max_live=0)
 

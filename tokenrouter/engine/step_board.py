@@ -118,6 +118,10 @@ class CoreShare:
     otherwise; marks this model's slot while its step runs. Without a board (one model alone on the
     host) only the rows decide.
 
+    While a co-located model holds at most `max_live` live requests the models take turns, so its
+    larger steps (a prompt, a long catch-up) take every core too: a routed pair at one request spent a
+    fifth of its time in catch-ups of 9-24 rows and prompts on one thread.
+
     `routes`: whether this model holds a request it may hand to a peer (one its algorithm routes, not
     one it writes alone); its subserver sets it after every pass of its loop. Why it counts: a routed
     pair at two requests has stretches where the large model holds none (both requests fresh on the
@@ -138,9 +142,10 @@ class CoreShare:
         return len(os.sched_getaffinity(0))
 
     def threads_for(self, rows: int, live: int = 1) -> int:
+        turns = self.max_live is not None and live <= self.max_live
         crowded = self.max_live is not None and live > self.max_live and (
             self.routes or self.board is None or self.board.others_hold())
-        if rows > self.max_rows or crowded or (self.board is not None and self.board.others_running()):
+        if (rows > self.max_rows and not turns) or crowded or (self.board is not None and self.board.others_running()):
             return 1
         return self.cores
 
