@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -58,6 +59,12 @@ class SubserverPool:
         self.info: dict[str, Ready] = {}
         self._last_liveness = 0.0
         self._board: Any = None  # the step board of the subservers spawned here (engine/step_board.py)
+        # Each start-up message's handler, by the message's type (no message type subclasses another).
+        self._startup_handlers: dict[type, Callable[[Any], None]] = {
+            Ready: self._ready,
+            Join: self._on_join,
+            ReqError: self._on_startup_error,
+        }
 
     @property
     def board_name(self) -> str | None:
@@ -93,12 +100,9 @@ class SubserverPool:
         while len(self.info) < len(self.group.models):
             self._check_startup(started)
             for msg in self.recv(timeout=0.2):
-                if isinstance(msg, Ready):
-                    self._ready(msg)
-                elif isinstance(msg, Join) and self.joins is not None:
-                    self.joins.handle(msg)
-                elif isinstance(msg, ReqError) and msg.rid is None:
-                    raise SubserverDied(f"subserver {msg.model!r} failed to start: {msg.message}")
+                handler = self._startup_handlers.get(type(msg))
+                if handler is not None:  # a message of another type is ignored
+                    handler(msg)
             self.check_alive(force=True)
         self.broadcast(Topology({n: r.address for n, r in self.info.items()}))
         for name, r in self.info.items():
@@ -125,6 +129,14 @@ class SubserverPool:
             return started
         assert self.joins is not None
         return self.joins.joined[name][0] if name in self.joins.joined else math.inf
+
+    def _on_join(self, msg: Join) -> None:
+        if self.joins is not None:  # no model of the group joins: a stray Join is ignored
+            self.joins.handle(msg)
+
+    def _on_startup_error(self, msg: ReqError) -> None:
+        if msg.rid is None:  # the subserver itself failed (no request is in flight before start-up ends)
+            raise SubserverDied(f"subserver {msg.model!r} failed to start: {msg.message}")
 
     def _ready(self, msg: Ready) -> None:
         """Connect to a subserver that has loaded its model. A joined one is accepted only after its Join
