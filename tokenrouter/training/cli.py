@@ -93,6 +93,7 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    from tokenrouter.routing import algorithm_class
     from tokenrouter.training.labels import read_corpus
     from tokenrouter.training.train import train_router
 
@@ -108,10 +109,9 @@ def cmd_train_router(args: argparse.Namespace) -> int:
     print(f"held-out ({m['positions']} positions, positive share {_fmt(m['positive_share'])}): "
           f"AUC {_fmt(m['auc'])}, threshold {m['threshold']!r} (route when score {m['rule']} threshold), "
           f"recall {_fmt(m['recall'])}, precision {_fmt(m['precision'])}, large share {_fmt(m['large_share'])}")
-    if args.kind in ("citer", "co_llm"):
-        param = "tau" if args.kind == "citer" else "eta"
-        print(f"note: the {args.kind} algorithm uses its own default {param} unless the group config sets "
-              f"it: \"{param}\": {m['threshold']!r}")
+    param = algorithm_class(args.kind).knob_param()
+    print(f"note: the {args.kind} algorithm serves this calibrated threshold (\"{param}\": {m['threshold']!r}) "
+          f"unless the group config sets \"{param}\"")
     if meta["training"].get("full_finetune"):
         print(f"serve with the fine-tuned small model: {meta['pair']['small']['path']}")
     return 0
