@@ -62,6 +62,7 @@ def test_admission_reserves_pages_under_pressure(pair_paths, hf_pair):
             # The entry's own queue and reservation book (it keeps no peak counter), seen between polls.
             peak["queued"] = max(peak["queued"], len(entry.queue))
             assert all(entry.reserved[n] <= capacity[n] for n in capacity), "reserved past a pool's capacity"
+            entry.check_integrity()
             return real_poll(timeout)
 
         entry.poll = watched_poll

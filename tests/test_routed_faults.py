@@ -40,8 +40,9 @@ def gone(pid: int) -> bool:
 
 
 def assert_no_live_requests(llm: RoutedLLM, timeout: float = 5.0) -> None:
-    """Every model idle with no page outside the free list and the prefix cache. A peer's finish notice
-    may still be on its way when generate returns, so ask again for a bounded time."""
+    """Every model idle with no page outside the free list and the prefix cache, and the entry's records
+    whole (nothing reserved). A peer's finish notice may still be on its way when generate returns, so
+    ask again for a bounded time."""
     deadline = time.monotonic() + timeout
     while True:
         stats = llm.entry.stats()
@@ -52,6 +53,7 @@ def assert_no_live_requests(llm: RoutedLLM, timeout: float = 5.0) -> None:
     for name, s in stats.items():
         assert s.live_requests == 0, f"{name}: {s.live_requests} live requests"
         assert s.free_pages + s.cached_pages == s.total_pages, f"{name}: pages leaked ({s})"
+    llm.entry.check_integrity()
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -140,6 +142,22 @@ def test_bad_request_is_a_clear_error_and_the_group_keeps_serving(llm, case):
     assert out.finished and out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 4
     assert not llm.entry.reqs and not llm.entry.queue
     assert_no_live_requests(llm)
+
+
+def test_the_entry_check_finds_a_leaked_reservation(llm):
+    """Entry.check_integrity (run by every idle poll): a reservation no admitted request holds is an
+    error naming it."""
+    (out,) = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=greedy(3), use_tqdm=False, timeout=60)
+    assert out.finished
+    entry = llm.entry
+    entry.check_integrity()
+    entry.admission.reserved["small"] += 24  # what a request ending without release would leave
+    try:
+        with pytest.raises(AssertionError, match="KV reserved"):
+            entry.check_integrity()
+    finally:
+        entry.admission.reserved["small"] -= 24
+    entry.check_integrity()
 
 
 def test_constructor_refuses_max_tokens_zero():

@@ -98,6 +98,7 @@ class Entry:
         self._backlog: list[TokenOut | Done] = []
         self._stats: dict[str, Stats] = {}
         self._active_sent = 0
+        self._checked = 0.0  # when the idle entry last checked its records (check_integrity)
         self.planner: PlannerController | None = None
         self.trace = StepTraceWriter.from_env()  # the entry's stage records (model -1), when tracing
         # Each subserver message's handler, by the message's type (no message type subclasses another).
@@ -255,6 +256,34 @@ class Entry:
             self.admission.withdraw(req)
         self._admit()
 
+    def check_integrity(self) -> None:
+        """The entry's one record per request: `reqs` holds each live request once, under the rid its
+        wire id names; the admission queue holds exactly the live requests not yet admitted, and its
+        reservations are the admitted ones' footprints; the load adaptation follows only admitted
+        live requests. A leaked reservation would hold admission back for good."""
+        for rid, req in self.reqs.items():
+            if req.rid != rid or req.wire.rpartition("#")[0] != rid or req.done:
+                raise AssertionError(f"request {rid!r}: filed as {req.rid!r} (wire {req.wire!r}), ended {req.done}")
+        waiting = [req for req in self.admission.waiting]
+        if len({id(req) for req in waiting}) != len(waiting):
+            raise AssertionError("a request waits for admission twice")
+        for req in waiting:
+            if self.reqs.get(req.rid) is not req or req.admitted:
+                raise AssertionError(f"request {req.rid!r}: waits for admission but is not a live, unadmitted request")
+        if sum(not req.admitted for req in self.reqs.values()) != len(waiting):
+            raise AssertionError("a live request is neither admitted nor waiting for admission")
+        booked = {name: 0 for name in self.admission.reserved}
+        for req in self.reqs.values():
+            for name, tokens in (req.plan.reserve.items() if req.admitted else ()):
+                booked[name] += tokens
+        if booked != self.admission.reserved:
+            raise AssertionError(f"KV reserved {self.admission.reserved}, the admitted requests hold {booked}")
+        if self.adaptation is not None:
+            admitted = {req.wire for req in self.reqs.values() if req.admitted}
+            stray = (self.adaptation.adapting | set(self.adaptation.window.live)) - admitted
+            if stray:
+                raise AssertionError(f"load adaptation follows requests that are not live: {sorted(stray)}")
+
     def poll(self, timeout: float = 0.1) -> list[TokenOut | Done]:
         """Events from the subservers: each request's tokens in position order, then its Done."""
         if self._backlog:
@@ -282,6 +311,9 @@ class Entry:
         if self.adaptation is not None:
             self.adaptation.poll(time.monotonic())
         self.pool.check_alive()
+        if not self.reqs and time.monotonic() - self._checked > 1.0:
+            self._checked = time.monotonic()
+            self.check_integrity()  # idle: no reservation and no followed request may be left behind
         return events
 
     def _by_wire(self, wire: str) -> EntryReq | None:
