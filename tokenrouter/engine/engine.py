@@ -131,7 +131,6 @@ class Engine:
         self.reqs: dict[str, Req] = {}
         self.ahead: dict[str, StepOutput] = {}  # rid -> the row a look-ahead set aside (hand_off)
         self._grammars: GrammarCompiler | None = None  # built at the first structured-output request
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = random.Random(cfg.seed)
         self._next_rid = 0
         self.stats = EngineStats()
@@ -278,7 +277,7 @@ class Engine:
             # Output written elsewhere (a peer's first hand-off) is caught up on at the first mask.
             req.grammar = self._grammars.state(params.structured_output)
         if detokenize or params.stop:
-            self._detok[rid] = IncrementalDetokenizer(self.tokenizer, req.tokens[:len(req.tokens) - drafts])
+            req.detok = IncrementalDetokenizer(self.tokenizer, req.tokens[:len(req.tokens) - drafts])
         self.reqs[rid] = req
         self.scheduler.add(req)
         return req
@@ -511,7 +510,7 @@ class Engine:
             return "stop", tok
         if not p.ignore_eos and tok in self.eos_token_ids:
             return "stop", None
-        det = self._detok.get(req.rid)
+        det = req.detok
         if det is not None:
             new = det.add([tok])
             if p.stop and new:
@@ -528,9 +527,8 @@ class Engine:
         req.finish_reason = reason
         req.stop_reason = stop
         req.finish_time = time.monotonic()
-        det = self._detok.pop(req.rid, None)
-        if det is not None:
-            req.text = det.text
+        if req.detok is not None:
+            req.text, req.detok = req.detok.text, None
         self.ahead.pop(req.rid, None)
         req.look_ahead = False
         self.scheduler.finish(req)

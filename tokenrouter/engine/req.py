@@ -12,6 +12,7 @@ from tokenrouter.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from tokenrouter.engine.grammar import GrammarState
     from tokenrouter.engine.radix_cache import TreeNode
+    from tokenrouter.engine.tokenizer import IncrementalDetokenizer
 
 
 class ReqStatus(enum.Enum):
@@ -67,6 +68,7 @@ class Req:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""  # decoded output, kept only while stop strings need it
+    detok: IncrementalDetokenizer | None = None  # streaming or stop strings: decodes text as tokens come
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     finish_time: float | None = None
