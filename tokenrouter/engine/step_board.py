@@ -119,8 +119,8 @@ class CoreShare:
     host) only the rows decide.
 
     While a co-located model holds at most `max_live` live requests the models take turns, so its
-    larger steps (a prompt, a long catch-up) take every core too: a routed pair at one request spent a
-    fifth of its time in catch-ups of 9-24 rows and prompts on one thread.
+    larger steps (a prompt, a catch-up of more than `max_rows` tokens) take every core too: a routed
+    pair at one request spent a sixth of its time in those on one thread.
 
     `routes`: whether this model holds a request it may hand to a peer (one its algorithm routes, not
     one it writes alone); its subserver sets it after every pass of its loop. Why it counts: a routed

@@ -264,7 +264,7 @@ class Entry:
         for rid, req in self.reqs.items():
             if req.rid != rid or req.wire.rpartition("#")[0] != rid or req.done:
                 raise AssertionError(f"request {rid!r}: filed as {req.rid!r} (wire {req.wire!r}), ended {req.done}")
-        waiting = [req for req in self.admission.waiting]
+        waiting = list(self.admission.waiting)
         if len({id(req) for req in waiting}) != len(waiting):
             raise AssertionError("a request waits for admission twice")
         for req in waiting:
@@ -273,14 +273,14 @@ class Entry:
         if sum(not req.admitted for req in self.reqs.values()) != len(waiting):
             raise AssertionError("a live request is neither admitted nor waiting for admission")
         booked = {name: 0 for name in self.admission.reserved}
-        for req in self.reqs.values():
-            for name, tokens in (req.plan.reserve.items() if req.admitted else ()):
+        admitted = [req for req in self.reqs.values() if req.admitted]
+        for req in admitted:
+            for name, tokens in req.plan.reserve.items():
                 booked[name] += tokens
         if booked != self.admission.reserved:
             raise AssertionError(f"KV reserved {self.admission.reserved}, the admitted requests hold {booked}")
         if self.adaptation is not None:
-            admitted = {req.wire for req in self.reqs.values() if req.admitted}
-            stray = (self.adaptation.adapting | set(self.adaptation.window.live)) - admitted
+            stray = (self.adaptation.adapting | set(self.adaptation.window.live)) - {req.wire for req in admitted}
             if stray:
                 raise AssertionError(f"load adaptation follows requests that are not live: {sorted(stray)}")
 
@@ -311,8 +311,9 @@ class Entry:
         if self.adaptation is not None:
             self.adaptation.poll(time.monotonic())
         self.pool.check_alive()
-        if not self.reqs and time.monotonic() - self._checked > 1.0:
-            self._checked = time.monotonic()
+        now = time.monotonic()
+        if not self.reqs and now - self._checked > 1.0:
+            self._checked = now
             self.check_integrity()  # idle: no reservation and no followed request may be left behind
         return events
 
