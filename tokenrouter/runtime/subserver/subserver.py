@@ -28,7 +28,8 @@ from tokenrouter.engine.req import LooseVerify, Req
 from tokenrouter.engine.step_board import CoreShare, StepBoard
 from tokenrouter.engine.step_trace import StepTraceWriter
 from tokenrouter.models import quantized_linear
-from tokenrouter.routing import STAY, PeerReq, Route, make_algorithm
+from tokenrouter.routing import STAY, PeerReq, Route, RoutingAlgorithm, make_algorithm
+from tokenrouter.routing.algorithm import Scores
 from tokenrouter.runtime.group_config import GroupConfig, ModelSpec
 from tokenrouter.runtime.messages import (
     STEP_LATENCY_BUCKETS,
@@ -52,7 +53,6 @@ from tokenrouter.runtime.messages import (
     Trace,
 )
 from tokenrouter.runtime.model_identity import vocab_hash
-from tokenrouter.runtime.subserver.containment import checked_route, route_each
 from tokenrouter.runtime.subserver.request_state import RequestState, RequestStates
 from tokenrouter.runtime.subserver.sockets import SubserverSockets
 from tokenrouter.sampling_params import SamplingParams
@@ -567,3 +567,33 @@ class Subserver:
 
 def _finish_notice(rid: str) -> Handoff:
     return Handoff(PeerReq(rid=rid, suffix=[], loc=0, finished=True))
+
+
+def checked_route(algorithm: RoutingAlgorithm, model: str, step: StepOutput,
+                  traced: bool = False) -> tuple[list[Route], Scores | None]:
+    """`algorithm.route` (`route_traced` when a request of the step asked for a trace) with its one
+    promise checked: a Route per sampled request."""
+    routes, scores = algorithm.route_traced(model, step) if traced else (algorithm.route(model, step), None)
+    routes = list(routes)
+    if len(routes) != len(step.reqs):
+        raise ValueError(f"{algorithm.name}.route returned {len(routes)} routes for {len(step.reqs)} requests")
+    return routes, scores
+
+
+def route_each(algorithm: RoutingAlgorithm, model: str, step: StepOutput) -> list[Route | None]:
+    """Route each request of `step` alone, after `route` raised on the whole batch (as the engine
+    contains a failed step): its Route, or None for a request that raises alone; when none raises
+    alone the batch as a whole failed: all None. A request's decision reads only its own row, its own
+    parameters and its own state, and the built-in algorithms' draws are keyed by (request seed,
+    position), never by the batch: a request routed alone gets the decision it would have got in it."""
+    routes: list[Route | None] = []
+    for i, req in enumerate(step.reqs):
+        try:
+            (route,), _ = checked_route(algorithm, model, step.rows([i]))
+        except Exception:  # noqa: BLE001 - this request is one the algorithm fails on
+            logger.exception("%s: %s.route failed on request %s alone", model, algorithm.name, req.rid)
+            route = None
+        routes.append(route)
+    if len(step.reqs) > 1 and all(r is not None for r in routes):
+        return [None] * len(routes)
+    return routes
