@@ -47,10 +47,10 @@ def main() -> None:
     dotted = []  # the blocks on block_gemm, where it serves this CPU
     wide = []  # the same values in bfloat16 for oneDNN (the `wide` form, quantized_linear.WIDE_ROWS)
     bfloat16 = onednn_linear.bfloat16_available()
+    mlp = ("gate_proj", "up_proj", "down_proj")
     for i in range(cfg.num_layers):
         for parts in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",)):
-            ws = [blocks[f"model.layers.{i}.{'self_attn' if p.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{p}.weight"]
-                  for p in parts]
+            ws = [blocks[f"model.layers.{i}.{'mlp' if p in mlp else 'self_attn'}.{p}.weight"] for p in parts]
             merged = BlockWeight(ws[0].kind, torch.cat([w.codes for w in ws]), torch.cat([w.scales for w in ws]),
                                  torch.cat([w.mins for w in ws]) if ws[0].mins is not None else None)
             dense = merged.dequantize()
@@ -82,14 +82,14 @@ def main() -> None:
         for rows in args.rows:
             xs = {k: torch.randn(rows, k) for k in {w[2] for w in layers}}
 
-            def run(quantized: bool, weights) -> None:
+            def run(quantized: bool, weights, xs=xs) -> None:
                 for q, packed, k in weights:
                     if quantized:
                         quantized_linear.linear(xs[k], q)
                     else:
                         packed_linear.linear(xs[k], packed, None)
 
-            def run_wide() -> None:
+            def run_wide(xs=xs) -> None:
                 xb = {k: x.to(torch.bfloat16) for k, x in xs.items()}
                 for packed, k in wide:
                     onednn_linear.linear(xb[k], packed, None)

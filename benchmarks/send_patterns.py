@@ -144,7 +144,7 @@ def main() -> int:
             # stretches the executor's sleeps)
             rs, rl = run["s_ratio"], run["l_ratio"]
             rs = rs if rs == rs else 1.0
-            own_s, own_l = (lambda b_: rs * lat_s(b_)), (lambda b_: rl * lat_l(b_))
+            own_s, own_l = (lambda b_, rs=rs: rs * lat_s(b_)), (lambda b_, rl=rl: rl * lat_l(b_))
             geo_own = float(throughput_curve(args.n, fit.p, own_s, own_l, alpha, overheads=own)[b - 1])
             sim_own = simulate(args.n, b, own_s, own_l, alpha, gaps=gaps, overheads=own, s_steps=args.sim_steps)
             run.update(geometric_own=geo_own, measured_runs_own=sim_own.throughput,

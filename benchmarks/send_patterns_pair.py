@@ -333,7 +333,8 @@ def predict(report: dict, sim_steps: int) -> None:
                     gaps_only = simulate(n, b, lat_s, lat_l, run["alpha"],
                                          lives=[[x[:2] for x in v] for v in r["lives"]], overheads=ov,
                                          s_steps=sim_steps, look_ahead=la)
-                    run.update(lives_gaps_model=gaps_only.throughput, lives_gaps_error=gaps_only.throughput / steady - 1)
+                    run.update(lives_gaps_model=gaps_only.throughput,
+                               lives_gaps_error=gaps_only.throughput / steady - 1)
                 run.update(lives_model=life.throughput, lives_stderr=life.stderr,
                            lives_error=life.throughput / steady - 1,
                            lives_s_batch=life.s_batch, lives_l_batch=life.l_batch, lives_legs=life.legs,
@@ -393,7 +394,8 @@ def table(report: dict) -> None:
     variant_errors(report, "The lives replayed with L's step cost fitted per row alone, t_L = c0 + c1 x rows",
                    "lives_rows")
     run_table(report, "Where the lives replay differs from the run (measured in the steady window / replayed): mean "
-              "batch and steps per second", ("S batch", "L batch", "S steps/s", "L steps/s"), ("lives_s_batch", "s_batch"),
+              "batch and steps per second", ("S batch", "L batch", "S steps/s", "L steps/s"),
+              ("lives_s_batch", "s_batch"),
               lambda run: [f"{run['s_batch']:.2f} / {run['lives_s_batch']:.2f}",
                            f"{run['l_batch']:.2f} / {run['lives_l_batch']:.2f}",
                            f"{run['s_rate']:.1f} / {run['lives_s_rate']:.1f}",
@@ -403,9 +405,9 @@ def table(report: dict) -> None:
               (*LEGS, "outside"), ("legs", "lives_legs"),
               lambda run: [f"{run['legs'][k]:.2f} / {run['lives_legs'][k]:.2f}" for k in LEGS]
               + [f"{report['n'] - sum(run['legs'].values()):.2f}"])
-    run_table(report, "L's step as requests live through it (weighted by its batch), ms: measured in the steady window / "
-              "the run's fit on those steps / replayed (at B > 1 also holding requests queued between two steps of a "
-              "span); and the tokens an L step computed beyond one per request, measured / replayed",
+    run_table(report, "L's step as requests live through it (weighted by its batch), ms: measured in the steady "
+              "window / the run's fit on those steps / replayed (at B > 1 also holding requests queued between two "
+              "steps of a span); and the tokens an L step computed beyond one per request, measured / replayed",
               ("L step ms", "tokens an L step computed beyond one per request"), ("l_step_weighted", "lives_legs"),
               lambda run: [f"{1e3 * run['l_step_weighted']:.1f} / {1e3 * run['l_fit_weighted']:.1f} / "
                            f"{1e3 * run['lives_legs']['on_l'] / (run['lives_l_batch'] * run['lives_l_rate']):.1f}",
@@ -420,7 +422,8 @@ def table(report: dict) -> None:
         cells = ", ".join(f"B={b}: {rule['predicted_by_b'][b]:.1f} predicted / {measured[b]:.1f} measured"
                           for b in sorted(rule["predicted_by_b"]))
         print(f"- {kind}: the planner picks B = {rule['planned_b']} ({rule['planned_tok_s']:.1f} tok/s predicted); "
-              f"fastest measured B = {rule['fastest_measured_b']} ({rule['fastest_measured_tok_s']:.1f} tok/s); {cells}")
+              f"fastest measured B = {rule['fastest_measured_b']} ({rule['fastest_measured_tok_s']:.1f} tok/s); "
+              f"{cells}")
 
 
 
@@ -441,7 +444,8 @@ def variant_errors(report: dict, title: str, key: str, note: Callable[[dict], st
     print(f"\n{title} (error):")
     for kind, r in report["routers"].items():
         value = key if any(key in run for run in r["runs"]) else f"{key}_model"
-        cells = [f"B={run['b']}: {run[value]:.1f} ({100 * run[key + '_error']:+.1f}%)" for run in r["runs"] if value in run]
+        cells = [f"B={run['b']}: {run[value]:.1f} ({100 * run[key + '_error']:+.1f}%)" for run in r["runs"]
+                 if value in run]
         if cells:
             print(f"- {kind}{note(r)}: " + ", ".join(cells))
 
@@ -462,7 +466,8 @@ def across(reports: list[dict]) -> None:
             cells = []
             for key, _ in cols:
                 vals = np.array([r.get(key, np.nan) for r in same], dtype=float)
-                cells.append(f"{100 * (np.mean(vals) / steady.mean() - 1):+.1f} %" if np.isfinite(vals).all() else "n/a")
+                cells.append(f"{100 * (np.mean(vals) / steady.mean() - 1):+.1f} %" if np.isfinite(vals).all()
+                             else "n/a")
             print(f"| {kind} | {run['b']} | " + ", ".join(f"{v:.1f}" for v in steady) + " | " + " | ".join(cells)
                   + f" | {100 * np.ptp(steady) / steady.mean():.0f} % |")
 

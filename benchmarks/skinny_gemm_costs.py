@@ -48,15 +48,17 @@ def main() -> None:
     onednn = [onednn_linear.pack(w) for w in weights]
     total = sum(w.numel() * 4 for w in weights)
     flat = torch.cat([w.reshape(-1) for w in weights])
-    read = best(lambda: flat.sum(), args.rounds)
+    read = best(flat.sum, args.rounds)
     del flat
     print(f"{total / 1e6:.0f} MB of weights a step; one core sums them at {total / read / 1e9:.1f} GB/s "
           f"({read * 1e3:.1f} ms)")
-    print(f"{'rows':>5} {'skinny ms':>10} {'GB/s':>6} {'oneDNN ms':>10} {'GB/s':>6} {'oneDNN/skinny':>14} {'max diff':>9}")
+    print(f"{'rows':>5} {'skinny ms':>10} {'GB/s':>6} {'oneDNN ms':>10} {'GB/s':>6} {'oneDNN/skinny':>14} "
+          f"{'max diff':>9}")
     for rows in args.rows:
         xs = [torch.randn(rows, k, generator=gen) for _, k in SHAPES]
-        ours = best(lambda: [kernel(x, p, w.shape[0], None) for x, p, w in zip(xs, panels, weights)], args.rounds)
-        theirs = best(lambda: [onednn_linear.linear(x, p, None) for x, p in zip(xs, onednn)], args.rounds)
+        ours = best(lambda xs=xs: [kernel(x, p, w.shape[0], None) for x, p, w in zip(xs, panels, weights)],
+                    args.rounds)
+        theirs = best(lambda xs=xs: [onednn_linear.linear(x, p, None) for x, p in zip(xs, onednn)], args.rounds)
         diff = max((kernel(x, p, w.shape[0], None) - onednn_linear.linear(x, o, None)).abs().max().item()
                    for x, p, o, w in zip(xs[:4], panels[:4], onednn[:4], weights[:4]))
         print(f"{rows:>5} {ours * 1e3:>10.1f} {total / ours / 1e9:>6.1f} {theirs * 1e3:>10.1f} "

@@ -21,7 +21,8 @@ def main() -> int:
     ap.add_argument("--out", default="ui.png")
     ap.add_argument("--prompt", default="What is 17 times 23? Explain step by step.")
     ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--threshold", type=float, default=None, help="the threshold to set on the page (default: the group's)")
+    ap.add_argument("--threshold", type=float, default=None,
+                    help="the threshold to set on the page (default: the group's)")
     ap.add_argument("--compare", choices=["none", "again", "only-first", "only-last"], default="none",
                     help="also run a second answer beside the first: 'again' at --again-threshold, or one model alone")
     ap.add_argument("--again-threshold", type=float, default=None)
