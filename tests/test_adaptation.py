@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from tokenrouter.planner.knob_controller import MIN_DECREASE, STEP_BACK, KnobController, KnobRange
+from tokenrouter.planner.knob_controller import (
+    MIN_DECREASE,
+    RANGE_EFFECT,
+    STEP_BACK,
+    KnobController,
+    KnobRange,
+    expected_p99,
+)
 from tokenrouter.routing import make_algorithm
 from tokenrouter.routing.algorithm import STAY, Route, RoutingAlgorithm, RoutingParamError
 from tokenrouter.runtime.adapt_config import AdaptConfig, AdaptConfigError, default_floor, knob_range
@@ -150,8 +157,9 @@ def test_a_load_that_fell_in_the_windows_last_part_returns_at_its_close():
     for _ in range(2):
         c.update(0.7 * TARGET, 1.0)
     assert c.safe_load == 1.0
-    c.update(3 * TARGET, 4.0, 3 * TARGET, 4.0)
+    c.update(1.2 * TARGET, 4.0, 1.2 * TARGET, 4.0)
     low = c.position
+    assert 0.0 < low < 1.0
     assert c.update(2 * TARGET, 3.0, 0.7 * TARGET, 4.0) < low  # the crowd is still there
     assert c.update(2 * TARGET, 3.0, 1.5 * TARGET, 1.0) < low  # one request, over the target
     assert c.update(2 * TARGET, 3.0) < low  # no last part measured: the whole window decides
@@ -230,9 +238,25 @@ def test_knob_range_ends_are_exact_and_positions_are_bounded():
     with pytest.raises(ValueError, match="position"):
         r.value(1.5)
     c = KnobController(TARGET)
-    assert c.update(None) == 1.0 and c.update(10 * TARGET) == pytest.approx(0.1)
-    assert c.update(TARGET * 1.01) == 0.0  # at least MIN_DECREASE, never below 0
+    assert c.update(None) == 1.0 and c.update(1.1 * TARGET) == pytest.approx(1 - (1 - 1 / 1.1) / RANGE_EFFECT)
+    before = c.position
+    assert c.update(TARGET * 1.01) == pytest.approx(before - MIN_DECREASE)  # at least MIN_DECREASE
+    assert c.update(10 * TARGET) == 0.0  # never below 0
     assert c.update(TARGET * 1.01) == 0.0
+
+
+def test_a_rising_load_moves_the_knob_before_p99_passes_the_target():
+    """p99 within the target but past MARGIN of it while the load rose in the window: the next
+    window's p99, scaled by the rise, is over the target, so the knob moves now; a steady or falling
+    load, or p99 with headroom, holds."""
+    assert expected_p99(0.9 * TARGET, TARGET, 10.0, 12.0) == pytest.approx(0.9 * TARGET * 1.2)
+    assert expected_p99(0.9 * TARGET, TARGET, 10.0, 9.0) == 0.9 * TARGET  # falling: as measured
+    assert expected_p99(0.7 * TARGET, TARGET, 10.0, 20.0) == 0.7 * TARGET  # headroom left: as measured
+    assert expected_p99(0.9 * TARGET, TARGET, None, 12.0) == 0.9 * TARGET  # no load measured
+    rising = KnobController(TARGET)
+    assert rising.update(0.9 * TARGET, 10.0, 0.9 * TARGET, 12.0) == pytest.approx(1 - (1 - 1 / 1.08) / RANGE_EFFECT)
+    steady = KnobController(TARGET)
+    assert steady.update(0.9 * TARGET, 10.0, 0.95 * TARGET, 10.0) == 1.0
 
 
 # ---- which requests adapt -------------------------------------------------------------------------

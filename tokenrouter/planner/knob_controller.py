@@ -6,8 +6,19 @@ range, 1 at the served point and 0 at the floor, and moves it once per measureme
 window's p99 time per output token (TPOT):
 
 - no adapting request streamed in the window (idle): back to the served point at once;
-- p99 over the target: multiplicative decrease, position * target / p99, and by at least
-  `MIN_DECREASE` of the range, so a p99 just over the target still reaches the floor in a few windows;
+- the expected p99 (p99 itself, or as below) over the target: down by (1 - target / expected) /
+  `RANGE_EFFECT` of the range, and by at least `MIN_DECREASE` of it, so a p99 just over the target
+  still reaches the floor in a few windows. Why that step: the whole range moves p99 by about
+  `RANGE_EFFECT` of itself at a saturating load (the default pair on the EPYC ramp at 32 requests:
+  160 ms at the served point, 88 ms at a floor of half the share), so the step that cancels an
+  excess of 1 - target / expected is that excess over `RANGE_EFFECT`; a step proportional to the
+  position (position * target / p99) moves about half as far there, and on that ramp reached the
+  peak a window late (docs/BENCHMARKS.md);
+- expected: where the load rose in the window (its last part's load over the window's mean) and p99
+  used `MARGIN` of the target, p99 scaled by that rise (`expected_p99`), as a token's time scales with
+  the load at saturation. Why: a request keeps the value it started with, so a move shows in the next
+  window's p99 at the earliest; on a rising ramp, a rule that waits for p99 to pass the target moves a
+  window after it passed;
 - p99 at most `RETURN_BELOW` of the target: back to the served point at once. This is the one
   prediction the rule makes: to first order a token costs a + b s at large share s (a, b >= 0: the
   small model's step at every position, the large model's at its share), at most twice its cost at
@@ -45,11 +56,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_DECREASE = 0.125  # of the range: sustained overload reaches the floor within 8 windows
+RANGE_EFFECT = 0.5  # p99's fall from the served point to the floor, as a share of it (see above)
 MARGIN = 0.8  # step back only with this much of the target used
 STEP_BACK = 0.25  # of the range, per window with headroom
 RETURN_BELOW = 0.5  # of the target: p99 this low returns to the served point at once (see above)
 LOAD_SLACK = 1.25  # a load up to this multiple of the remembered safe load returns at once (see above)
 RECENT_PART = 0.25  # of a window: its last part, measured apart for the return (see above)
+
+
+def expected_p99(p99_s: float, target_s: float, load: float | None, recent_load: float | None) -> float:
+    """The p99 the next window is expected to see (module docstring): `p99_s` scaled by the load's rise
+    within the window where it used MARGIN of the target, else `p99_s`."""
+    if p99_s > MARGIN * target_s and load and recent_load and recent_load > load:
+        return p99_s * recent_load / load
+    return p99_s
 
 
 @dataclass(frozen=True)
@@ -100,10 +120,11 @@ class KnobController:
         fell = recent_p99_s is not None and recent_p99_s <= target and held(recent_load)
         if p99_s is None or p99_s <= RETURN_BELOW * target or fell:
             self.position = 1.0
-        elif p99_s > target:
+        elif (expected := expected_p99(p99_s, target, load, recent_load)) > target:
             if self.position == 1.0 and returns and load is not None:  # it no longer holds a load it returns at
                 self.safe_load = load / 2
-            self.position = max(0.0, min(self.position * target / p99_s, self.position - MIN_DECREASE))
+            step = max(MIN_DECREASE, (1.0 - target / expected) / RANGE_EFFECT)
+            self.position = max(0.0, self.position - step)
         elif returns:
             self.position = 1.0
         elif p99_s <= MARGIN * target:
