@@ -8,12 +8,13 @@ window's p99 time per output token (TPOT):
 - no adapting request streamed in the window (idle): back to the served point at once;
 - the expected p99 (p99 itself, or as below) over the target: down by (1 - target / expected) /
   `RANGE_EFFECT` of the range, and by at least `MIN_DECREASE` of it, so a p99 just over the target
-  still reaches the floor in a few windows. Why that step: the whole range moves p99 by about
-  `RANGE_EFFECT` of itself at a saturating load (the default pair on the EPYC ramp at 32 requests:
-  160 ms at the served point, 88 ms at a floor of half the share), so the step that cancels an
-  excess of 1 - target / expected is that excess over `RANGE_EFFECT`; a step proportional to the
-  position (position * target / p99) moves about half as far there, and on that ramp reached the
-  peak a window late (docs/BENCHMARKS.md);
+  still reaches the floor in a few windows. Why that step: the whole range moves p99 by a third to
+  a half of itself at a saturating load (the default pair on the EPYC ramp at 32 requests: 128-159
+  ms at the served point, 88 ms at or near a floor of half the share), so the step that cancels an
+  excess of 1 - target / expected is that excess over the effect; `RANGE_EFFECT` takes the upper
+  end, so a step falls short rather than past, and the next window completes it. A step
+  proportional to the position (position * target / p99) moved about half as far, and on that ramp
+  held a 100 ms target in 1 of 3 overloaded windows where this rule held 2 of 2 (docs/BENCHMARKS.md);
 - expected: where the load rose in the window (its last part's load over the window's mean) and p99
   used `MARGIN` of the target, p99 scaled by that rise (`expected_p99`), as a token's time scales with
   the load at saturation. Why: a request keeps the value it started with, so a move shows in the next
@@ -56,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MIN_DECREASE = 0.125  # of the range: sustained overload reaches the floor within 8 windows
-RANGE_EFFECT = 0.5  # p99's fall from the served point to the floor, as a share of it (see above)
+RANGE_EFFECT = 0.5  # p99's fall from the served point to the floor, as a share of it: the upper end (see above)
 MARGIN = 0.8  # step back only with this much of the target used
 STEP_BACK = 0.25  # of the range, per window with headroom
 RETURN_BELOW = 0.5  # of the target: p99 this low returns to the served point at once (see above)
