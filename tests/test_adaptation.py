@@ -257,6 +257,11 @@ def test_a_rising_load_moves_the_knob_before_p99_passes_the_target():
     assert rising.update(0.9 * TARGET, 10.0, 0.9 * TARGET, 12.0) == pytest.approx(1 - (1 - 1 / 1.08) / RANGE_EFFECT)
     steady = KnobController(TARGET)
     assert steady.update(0.9 * TARGET, 10.0, 0.95 * TARGET, 10.0) == 1.0
+    for _ in range(2):  # the served point holds a load of 8 with headroom
+        steady.update(0.7 * TARGET, 8.0)
+    assert steady.safe_load == 8.0
+    assert steady.update(0.9 * TARGET, 9.0, 0.9 * TARGET, 12.0) < 1.0  # rising past it: moves
+    assert steady.safe_load == 8.0  # it held that window: the memory stays
 
 
 # ---- which requests adapt -------------------------------------------------------------------------

@@ -122,8 +122,8 @@ class KnobController:
         if p99_s is None or p99_s <= RETURN_BELOW * target or fell:
             self.position = 1.0
         elif (expected := expected_p99(p99_s, target, load, recent_load)) > target:
-            if self.position == 1.0 and returns and load is not None:  # it no longer holds a load it returns at
-                self.safe_load = load / 2
+            if self.position == 1.0 and returns and load is not None and p99_s > target:
+                self.safe_load = load / 2  # it no longer holds a load it returns at (measured, not expected)
             step = max(MIN_DECREASE, (1.0 - target / expected) / RANGE_EFFECT)
             self.position = max(0.0, self.position - step)
         elif returns:
