@@ -249,12 +249,14 @@ def test_a_rising_load_moves_the_knob_before_p99_passes_the_target():
     """p99 within the target but past MARGIN of it while the load rose in the window: the next
     window's p99, scaled by the rise, is over the target, so the knob moves now; a steady or falling
     load, or p99 with headroom, holds."""
-    assert expected_p99(0.9 * TARGET, TARGET, 10.0, 12.0) == pytest.approx(0.9 * TARGET * 1.2)
+    # the last quarter's middle is 3/8 of a window after the window's: the next window's load is 10 + 2 x 8/3
+    assert expected_p99(0.9 * TARGET, TARGET, 10.0, 12.0) == pytest.approx(0.9 * TARGET * (10 + 16 / 3) / 10)
     assert expected_p99(0.9 * TARGET, TARGET, 10.0, 9.0) == 0.9 * TARGET  # falling: as measured
     assert expected_p99(0.7 * TARGET, TARGET, 10.0, 20.0) == 0.7 * TARGET  # headroom left: as measured
     assert expected_p99(0.9 * TARGET, TARGET, None, 12.0) == 0.9 * TARGET  # no load measured
     rising = KnobController(TARGET)
-    assert rising.update(0.9 * TARGET, 10.0, 0.9 * TARGET, 12.0) == pytest.approx(1 - (1 - 1 / 1.08) / RANGE_EFFECT)
+    expected = 0.9 * (10 + 16 / 3) / 10
+    assert rising.update(0.9 * TARGET, 10.0, 0.9 * TARGET, 12.0) == pytest.approx(1 - (1 - 1 / expected) / RANGE_EFFECT)
     steady = KnobController(TARGET)
     assert steady.update(0.9 * TARGET, 10.0, 0.95 * TARGET, 10.0) == 1.0
     for _ in range(2):  # the served point holds a load of 8 with headroom

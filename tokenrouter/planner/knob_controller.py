@@ -16,10 +16,10 @@ window's p99 time per output token (TPOT):
   proportional to the position (position * target / p99) moved about half as far, and on that ramp
   held a 100 ms target in 1 of 3 overloaded windows where this rule held 2 of 2 (docs/BENCHMARKS.md);
 - expected: where the load rose in the window (its last part's load over the window's mean) and p99
-  used `MARGIN` of the target, p99 scaled by that rise (`expected_p99`), as a token's time scales with
-  the load at saturation. Why: a request keeps the value it started with, so a move shows in the next
-  window's p99 at the earliest; on a rising ramp, a rule that waits for p99 to pass the target moves a
-  window after it passed;
+  used `MARGIN` of the target, p99 scaled by the next window's load, that rise carried on in a line
+  (`expected_p99`), as a token's time scales with the load at saturation. Why: a request keeps the
+  value it started with, so a move shows in the next window's p99 at the earliest; on a rising ramp, a
+  rule that waits for p99 to pass the target moves a window after it passed;
 - p99 at most `RETURN_BELOW` of the target: back to the served point at once. This is the one
   prediction the rule makes: to first order a token costs a + b s at large share s (a, b >= 0: the
   small model's step at every position, the large model's at its share), at most twice its cost at
@@ -66,10 +66,12 @@ RECENT_PART = 0.25  # of a window: its last part, measured apart for the return 
 
 
 def expected_p99(p99_s: float, target_s: float, load: float | None, recent_load: float | None) -> float:
-    """The p99 the next window is expected to see (module docstring): `p99_s` scaled by the load's rise
-    within the window where it used MARGIN of the target, else `p99_s`."""
+    """The p99 the next window is expected to see (module docstring): where the load rose within the
+    window and p99 used MARGIN of the target, `p99_s` scaled by the next window's load over this one's,
+    the rise carried on in a line (the last part's middle lies (1 - RECENT_PART) / 2 of a window after
+    the window's, the next window's a whole window after); else `p99_s`."""
     if p99_s > MARGIN * target_s and load and recent_load and recent_load > load:
-        return p99_s * recent_load / load
+        return p99_s * (load + (recent_load - load) * 2 / (1 - RECENT_PART)) / load
     return p99_s
 
 
