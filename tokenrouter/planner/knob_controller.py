@@ -13,8 +13,8 @@ window's p99 time per output token (TPOT):
   ms at the served point, 88 ms at or near a floor of half the share), so the step that cancels an
   excess of 1 - target / expected is that excess over the effect; `RANGE_EFFECT` takes the upper
   end, so a step falls short rather than past, and the next window completes it. A step
-  proportional to the position (position * target / p99) moved about half as far, and on that ramp
-  held a 100 ms target in 1 of 3 overloaded windows where this rule held 2 of 2 (docs/BENCHMARKS.md);
+  proportional to the position (position * target / p99) moved about half as far (runs of both on
+  that ramp: docs/BENCHMARKS.md, "Load adaptation on a ramp");
 - expected: where the load rose in the window (its last part's load over the window's mean) and p99
   used `MARGIN` of the target, p99 scaled by the next window's load, that rise carried on in a line
   (`expected_p99`), as a token's time scales with the load at saturation. Why: a request keeps the
